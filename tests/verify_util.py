@@ -161,6 +161,7 @@ def world_fixture(tmp_path_factory):
             return own[peer_id]
 
         w.honest_of = honest_of
+        w.b_state = saved["B_state"]  # trains other updates from the same state (tests/unit/test_gain_stages.py)
         w.theta, w.base, w.ids, w.pid = theta, base, ids, pid
         w.others, w.honest, w.wrong_data = saved["others"], saved["honest"], saved["wrong_data"]
         w.P = theta.numel()
@@ -171,8 +172,11 @@ def world_fixture(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-def _packets(w, contribution: torch.Tensor, H: int, others_H: int = 10, extra: dict | None = None):
-    """sender PeerID -> part -> SignPacket, as relay mode hands them to every peer."""
+def _packets(
+    w, contribution: torch.Tensor, H: int, others_H: int = 10, extra: dict | None = None, extra_H: int | None = None
+):
+    """sender PeerID -> part -> SignPacket, as relay mode hands them to every peer (``extra``'s of ``extra_H`` steps,
+    default ``others_H``)."""
     out = {}
     for name, delta, steps in [("A", contribution, H)] + [(n, d, others_H) for n, d in w.others.items()]:
         out[w.pid[name]] = {
@@ -181,7 +185,8 @@ def _packets(w, contribution: torch.Tensor, H: int, others_H: int = 10, extra: d
         }
     for p, d in (extra or {}).items():
         out[p] = {
-            j: compression.encode(d[s:e].contiguous(), 2048, others_H * B * L) for j, (s, e) in enumerate(w.part_ranges)
+            j: compression.encode(d[s:e].contiguous(), 2048, (extra_H or others_H) * B * L)
+            for j, (s, e) in enumerate(w.part_ranges)
         }
     return out
 

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
 from geomesh_p2p.trust.check_model import Piece, is_hollow, load_for_check, sub_flat_, subtracted
 
-__all__ = ["GainStats", "row_losses", "gain_stats", "welch_t"]
+__all__ = ["GainStats", "row_losses", "gain_rows", "gain_of", "gain_stats", "welch_t"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ class GainStats:
     """``assigned`` / ``control``: mean loss gain (nats per token) of the contribution on the sender's assigned
     batches / on control batches; ``t``: Welch's t of ``assigned - control`` (0.0 when both spreads are 0);
     ``k`` / ``m``: batches on each side; ``steps``: the inner steps the contribution holds (its task's
-    ``steps_done``; 0: not known), what :func:`~geomesh_p2p.trust.verify_check.gain_decides` compares t's at."""
+    ``steps_done``; 0: not known), what :func:`~geomesh_p2p.trust.verify_check.gain_decides` compares t's at;
+    ``passes``: forward passes this measurement ran (fewer with a warm cache: not part of the statistic, so two
+    measurements of the same rows compare equal whatever they cost)."""
 
     assigned: float
     control: float
@@ -49,6 +51,7 @@ class GainStats:
     k: int
     m: int
     steps: int = 0
+    passes: int = field(default=0, compare=False)
 
     @property
     def excess(self) -> float:
@@ -117,6 +120,87 @@ def row_losses(
         model.train(was_training)
 
 
+def gain_rows(
+    model,
+    dataset,
+    theta: torch.Tensor,
+    contribution: Union[torch.Tensor, Iterable[Piece]],
+    assigned: Sequence[tuple[str, int]],
+    controls: Sequence[tuple[str, int]],
+    *,
+    seed: int,
+    round: int,
+    batch_size: int,
+    seq_len: int,
+    deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
+    cache: Optional[dict] = None,
+) -> tuple[list[list[float]], int]:
+    """Per batch (``assigned`` then ``controls``, in order), per row: the loss gain of the module docstring, nats;
+    and the forward passes run. Arguments as for :func:`gain_stats`, but either side may be empty (a stage of a
+    test measured in parts: :mod:`geomesh_p2p.trust.gain_stages`). ``cache`` keeps each control batch's losses
+    at ``theta`` under its own key, so any subset of a round's controls is reused.
+
+    Raises:
+        ValueError: no stream at all, or a vector of the wrong size.
+        TimeoutError: ``deadline`` passed.
+    """
+    streams = list(assigned) + list(controls)
+    if not streams:
+        raise ValueError("a gain needs at least one batch")
+    kw: dict[str, Any] = dict(
+        seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline, pace=pace
+    )
+    if isinstance(contribution, torch.Tensor):
+        if contribution.numel() != theta.numel():
+            raise ValueError(f"the contribution has {contribution.numel()} elements, theta {theta.numel()}")
+        pieces: Iterable[Piece] = [(0, contribution)]
+    else:
+        pieces = contribution
+    load_for_check(model, theta)
+    keys = [("control", c, int(batch_size), int(seq_len), int(seed), int(round)) for c in controls]
+    known = [cache.get(key) if cache is not None else None for key in keys]
+    todo = list(assigned) + [c for c, got in zip(controls, known) if got is None]
+    fresh = iter(row_losses(model, dataset, todo, **kw))
+    before = [next(fresh) for _ in assigned]
+    for key, got in zip(keys, known):
+        if got is None:
+            got = next(fresh)
+            if cache is not None:
+                cache[key] = list(got)
+        before.append(list(got))
+    if is_hollow(model):
+        with subtracted(model, pieces):
+            after = row_losses(model, dataset, streams, **kw)
+    else:
+        sub_flat_(model, pieces)
+        after = row_losses(model, dataset, streams, **kw)
+    # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on
+    # together, but each is memorised on its own); a row-level t has B times the samples of a batch-level one.
+    return [[b - a for b, a in zip(rb, ra)] for rb, ra in zip(before, after)], len(todo) + len(streams)
+
+
+def gain_of(
+    assigned: Sequence[Sequence[float]], controls: Sequence[Sequence[float]], *, steps: int = 0, passes: int = 0
+) -> GainStats:
+    """The statistic of the module docstring over per-batch row gains (:func:`gain_rows`): the rows of every
+    ``assigned`` batch against those of every control batch, in the order given (the same rows in the same order
+    give the same bits). Raises ValueError with fewer than 2 batches a side."""
+    if len(assigned) < 2 or len(controls) < 2:
+        raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
+    ga = [g for batch in assigned for g in batch]
+    gc = [g for batch in controls for g in batch]
+    return GainStats(
+        assigned=sum(ga) / len(ga),
+        control=sum(gc) / len(gc),
+        t=welch_t(ga, gc),
+        k=len(assigned),
+        m=len(controls),
+        steps=int(steps),
+        passes=int(passes),
+    )
+
+
 def gain_stats(
     model,
     dataset,
@@ -148,8 +232,9 @@ def gain_stats(
     temporary ``[P]`` (issue 27); a hollow model's second pass also subtracts (and decodes) the moved
     parameters at each forward (~2 passes over them a batch).
     ``cache``: a dict the caller keeps for one ``theta`` (one round): the control batches' losses at ``theta`` are
-    kept there and reused by the next call with the same controls, batch size and sequence length (the same bits:
-    the same weights and batches), so screening a round's second contributor costs ``2k + m`` passes.
+    kept there, a batch at a time, and reused by the next call with the same control batch, batch size and sequence
+    length (the same bits: the same weights and batches), so screening a round's second contributor costs ``2k + m``
+    passes.
 
     Raises:
         ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
@@ -157,37 +242,9 @@ def gain_stats(
     """
     if len(assigned) < 2 or len(controls) < 2:
         raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
-    streams = list(assigned) + list(controls)
-    kw: dict[str, Any] = dict(
-        seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline, pace=pace
-    )
-    if isinstance(contribution, torch.Tensor):
-        if contribution.numel() != theta.numel():
-            raise ValueError(f"the contribution has {contribution.numel()} elements, theta {theta.numel()}")
-        pieces: Iterable[Piece] = [(0, contribution)]
-    else:
-        pieces = contribution
-    load_for_check(model, theta)
-    key = (tuple(controls), int(batch_size), int(seq_len), int(seed), int(round))
-    known = cache.get(key) if cache is not None else None
-    if known is None:
-        before = row_losses(model, dataset, streams, **kw)
-        if cache is not None:
-            cache[key] = before[len(assigned) :]
-    else:
-        before = row_losses(model, dataset, list(assigned), **kw) + [list(r) for r in known]
-    if is_hollow(model):
-        with subtracted(model, pieces):
-            after = row_losses(model, dataset, streams, **kw)
-    else:
-        sub_flat_(model, pieces)
-        after = row_losses(model, dataset, streams, **kw)
-    # Each row is its own window of the corpus: one sample of the gain (a batch's rows were trained on
-    # together, but each is memorised on its own); a row-level t has B times the samples of a batch-level one.
-    gains = [[b - a for b, a in zip(rb, ra)] for rb, ra in zip(before, after)]
+    rows, passes = gain_rows(
+        model, dataset, theta, contribution, assigned, controls, seed=seed, round=round, batch_size=batch_size,
+        seq_len=seq_len, deadline=deadline, pace=pace, cache=cache,
+    )  # fmt: skip
     k = len(assigned)
-    ga = [g for batch in gains[:k] for g in batch]
-    gc = [g for batch in gains[k:] for g in batch]
-    return GainStats(
-        assigned=sum(ga) / len(ga), control=sum(gc) / len(gc), t=welch_t(ga, gc), k=len(assigned), m=len(controls)
-    )
+    return gain_of(rows[:k], rows[k:], passes=passes)

@@ -21,7 +21,8 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.trust.check_model import abs_max, is_hollow, load_for_check, release_
-from geomesh_p2p.trust.gain import GainStats, gain_stats
+from geomesh_p2p.trust.gain import GainStats, gain_rows, gain_stats
+from geomesh_p2p.trust.gain_stages import RowsFn, can_stage, staged_gain
 from geomesh_p2p.trust.verify_commit import Committed
 from geomesh_p2p.trust.verify_task import (
     CONTROL_STREAM,
@@ -310,7 +311,11 @@ def covers_whole(task: VerifyTask, packets: Mapping[str, Mapping[int, Any]]) -> 
 
 
 def gain_decides(
-    cfg: VerifyConfig, gain: GainStats, reference: Optional[GainStats], tokens: Optional[int] = None
+    cfg: VerifyConfig,
+    gain: GainStats,
+    reference: Optional[GainStats],
+    tokens: Optional[int] = None,
+    power: Optional[bool] = None,
 ) -> bool:
     """Whether the loss-gain test ``gain`` may fail or mark a contribution in its round: the checker's own
     contribution's test (``reference``, :func:`reference_gain`), brought to the accused's steps, reaches a t at
@@ -327,10 +332,15 @@ def gain_decides(
     ``tokens``: what the accused's contribution was trained on (steps x batch x seq_len); under
     ``cfg.gain_min_tokens`` the test decides nothing. Its t is over rows, so a small batch has little power: at
     batch 4 x 32 honest 5-step contributions measured t down to 0.96 and failed in 10-18% of draws whatever the
-    reference's steps, 14-step ones (1,792 tokens) never (red team, ``benchmarks/gain_parts.py``, session 35)."""
-    if reference is None:
-        return False
+    reference's steps, 14-step ones (1,792 tokens) never (red team, ``benchmarks/gain_parts.py``, session 35).
+
+    ``power``: the reference's comparison as a staged screen decided it (:mod:`~.gain_stages`: on half the
+    reference's batches, or half of both sides'), instead of ``reference``'s t; the token floor still applies."""
     if tokens is not None and tokens < cfg.gain_min_tokens:
+        return False
+    if power is not None:
+        return power
+    if reference is None:
         return False
     scale = 1.0
     if gain.steps > 0 and reference.steps > gain.steps:
@@ -532,15 +542,22 @@ def check_contribution(
 
 
 def judge_screen(
-    cfg: VerifyConfig, task: VerifyTask, gain: GainStats, reference: Optional[GainStats] = None
+    cfg: VerifyConfig,
+    task: VerifyTask,
+    gain: GainStats,
+    reference: Optional[GainStats] = None,
+    *,
+    power: Optional[bool] = None,
+    stage: str = "",
 ) -> Verdict:
     """The verdict of a screening check (the loss-gain test alone): fail below ``gain_t_hard`` (hard, as in a
     full check), marginal below ``gain_t_min``, else pass. The thresholds are the full check's, measured on the
     same statistic with the same batch counts (``benchmarks/verify_gain.py``). A low t without power in the
     round (:func:`gain_decides` with the checker's own ``reference``) passes as inconclusive: the newcomer's next
-    screened round decides."""
-    head = f"screening (loss gain alone): {task.steps_done} steps"
-    if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference, _tokens(task)):
+    screened round decides. ``power`` / ``stage``: a staged screen's decision on the reference and the note on
+    what decided (:func:`~geomesh_p2p.trust.gain_stages.staged_gain`; ``gain`` is the half's when a half decided)."""
+    head = f"screening (loss gain alone): {task.steps_done} steps{stage}"
+    if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference, _tokens(task), power):
         own = f"this checker's own contribution t {reference.t:.2f}" if reference else "no contribution of its own"
         return Verdict(
             PASS,
@@ -598,6 +615,18 @@ def screen_contribution(
         return WorkStats(0.0, 0.0, 0), Verdict(
             PASS, f"inconclusive: the screen covers {len(task.parts)} of the {n} parts contributed, not measured"
         )
+    rows = _rows_of(cfg, model, dataset, theta, seed=seed, deadline=deadline, pace=pace, cache=cache)
+    k = len(gain_steps(task, cfg.gain_assigned))
+    if cfg.gain_staged and can_stage(k, cfg.gain_controls):
+        rt = (
+            None
+            if plan is None or checker is None
+            else reference_task(cfg, task, plan=plan, packets=packets, checker=checker)
+        )
+        st = staged_gain(cfg, task, rt, packets, rows, cache, tokens=_tokens(task))
+        return WorkStats(0.0, 0.0, 0, st.gain), judge_screen(
+            cfg, task, st.gain, st.reference, power=st.power, stage=st.stage
+        )
     gain = _gain(
         cfg, task, model, dataset, theta, packets[task.accused], seed=seed, deadline=deadline, pace=pace, cache=cache
     )
@@ -608,6 +637,24 @@ def screen_contribution(
             pace=pace, cache=cache,
         )  # fmt: skip
     return WorkStats(0.0, 0.0, 0, gain), judge_screen(cfg, task, gain, reference)
+
+
+def _rows_of(cfg, model, dataset, theta, *, seed, deadline, pace, cache) -> RowsFn:
+    """The row gains of a task's contribution on some of its steps and controls (:func:`~.gain.gain_rows`, the
+    controls' losses at ``theta`` shared through ``cache``). Raises VerifyTimeout past ``deadline``."""
+
+    def rows(task: VerifyTask, mine, steps, controls) -> tuple[list[list[float]], int]:
+        pieces = [(s, _sign_packet(mine[j])) for j, (s, _) in zip(task.parts, task.ranges)]
+        try:
+            return gain_rows(
+                model, dataset, theta, pieces, [(task.accused, j) for j in steps],
+                [(CONTROL_STREAM, i) for i in controls], seed=seed, round=task.round, batch_size=task.batch_size,
+                seq_len=task.seq_len, deadline=deadline, pace=pace, cache=cache,
+            )  # fmt: skip
+        except TimeoutError as e:
+            raise VerifyTimeout(str(e)) from None
+
+    return rows
 
 
 def reference_gain(

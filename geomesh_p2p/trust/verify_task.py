@@ -33,6 +33,7 @@ __all__ = [
     "screen_candidates",
     "sample_probability",
     "sampled_candidates",
+    "gain_order",
     "screen_seed",
     "screeners_of",
     "derive_screen",
@@ -141,6 +142,11 @@ class VerifyConfig:
             ``sample_screeners`` of them (:func:`screeners_of`; two, so that one screener's failure is confirmed by
             the other's identical measurement). The same screen and thresholds as a newcomer's. ``share`` (the
             sampled full checks) went from 0.1 to 0.05 with it: draws stay at 0.1 / 0.15 of the worker's duty.
+        gain_staged, gain_stage_kappa: a screen's loss-gain test runs in two stages (session 43,
+            :mod:`~geomesh_p2p.trust.gain_stages`): half of its batches first, the rest only when that half does
+            not decide. A half decides a threshold ``c`` of the whole when its t is beyond ``sqrt(1/2) c`` by
+            ``gain_stage_kappa`` standard deviations; 1.71 bounds the probability that such an early decision
+            differs from the whole screen's by 1e-3 for any true effect (:func:`~.gain_stages.disagreement`).
     """
 
     share: float = 0.05
@@ -180,6 +186,8 @@ class VerifyConfig:
     burst_rounds: float = 8.0
     sample_share: float = 0.05
     sample_screeners: int = 2
+    gain_staged: bool = True
+    gain_stage_kappa: float = 1.71
 
 
 #: Evidence lives at least this many times the rounds its participants keep it re-checkable (``keep_rounds``).
@@ -499,13 +507,19 @@ def reference_task(
     )
 
 
-def gain_steps(task: "VerifyTask", n: int) -> tuple[int, ...]:
-    """The contributor's steps the loss-gain test replays: ``min(n, task.steps_done)`` of ``range(steps_done)``,
-    sorted, drawn from the task's element seed (which follows from the verifier's selection signature, made
-    after the contribution was signed: the contributor cannot know them when it trains)."""
+def gain_order(task: "VerifyTask", n: int) -> tuple[int, ...]:
+    """The contributor's steps the loss-gain test replays, in the order drawn: ``min(n, task.steps_done)`` of
+    ``range(steps_done)`` from the task's element seed (which follows from the verifier's selection signature, made
+    after the contribution was signed: the contributor cannot know them when it trains). Any prefix is a uniform
+    draw too (a staged screen's first half: :mod:`~geomesh_p2p.trust.gain_stages`)."""
     key = task.element_seed.to_bytes(8, "little") + b"gain"
     order = sorted(range(task.steps_done), key=lambda j: hashlib.sha256(key + struct.pack("<Q", j)).digest())
-    return tuple(sorted(order[: min(n, task.steps_done)]))
+    return tuple(order[: min(n, task.steps_done)])
+
+
+def gain_steps(task: "VerifyTask", n: int) -> tuple[int, ...]:
+    """:func:`gain_order`'s steps, sorted (the order the test's rows are taken in)."""
+    return tuple(sorted(gain_order(task, n)))
 
 
 def _randperm_prefix(total: int, n: int, seed: int) -> list[int]:

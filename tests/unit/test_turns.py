@@ -141,3 +141,53 @@ def test_a_pass_given_back_and_taken_again_lets_the_waiting_step_in_first():
     turns.give_check()
     t.join(10)
     assert not t.is_alive()
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_a_screen_takes_up_to_passes_per_step_passes_before_a_waiting_step(per_step):
+    """Session 43: a newcomer's screen may run ``passes_per_step`` passes in a row (``verify_queue``: 3 for the
+    screening lane) before a waiting step, then the step goes; 1 is the strict alternation. Passes given back with
+    ``again`` keep their place; the steps still run between the bursts (neither side waits for ever)."""
+    turns, log = Turns(), _Log()
+    turns.passes_per_step = per_step
+    stop = threading.Event()
+
+    def train() -> None:
+        while not stop.is_set():
+            with turns.step():
+                log.enter("step")
+                sum(range(20000))
+                log.leave("step")
+
+    turns.take_check()  # the screen holds the turn when the trainer starts asking
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        for _ in range(1000):  # until the step waits for the turn
+            with turns._cv:
+                if turns._step_waits:
+                    break
+            stop.wait(0.01)
+        for i in range(30):  # back to back, as the pacer runs a screen with budget left
+            if i:
+                turns.take_check()
+            log.enter("check")
+            sum(range(20000))
+            log.leave("check")
+            turns.give_check(again=i < 29)
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive() and log.overlaps == 0
+    ev = [e for e in log.events if e in ("check", "step")]
+    first_step = ev.index("step")
+    runs, n = [], 0
+    for e in ev[: ev.index("check", first_step) + 40]:
+        if e == "check":
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    # every burst of passes between two steps is at most per_step long (the first one: the pass held at the start
+    # plus per_step - 1 more), and a step comes after each
+    assert runs and max(runs) <= per_step and runs.count(per_step) >= len(runs) - 1, runs
