@@ -122,11 +122,14 @@ async def test_a_stream_dropped_midway_releases_its_reserved_bytes(donor):
         await asyncio.sleep(0.05)
     assert srv._pending == {}
     sent = srv._served[(5, str(joiner.identity.peer_id))][0]  # the chunks the server got out before the close
-    assert CHUNK <= sent < gs.nbytes
+    # (on a loaded machine the whole state may be out, into the flow-control windows, before the close: then it
+    # counts whole, and the caller has two states left; CI at 63efbe3, load ~15)
+    assert CHUNK <= sent <= gs.nbytes
     for _ in range(2):
         assert await _stream(joiner, addr, STATE_GET, req) == gs.nbytes
     left = gs.nbytes - sent
-    assert await _stream(joiner, addr, STATE_GET, state_pb2.StateRequest(round=5, length=left)) == left
+    if left:
+        assert await _stream(joiner, addr, STATE_GET, state_pb2.StateRequest(round=5, length=left)) == left
     with pytest.raises(RpcError) as e:
         await _stream(joiner, addr, STATE_GET, state_pb2.StateRequest(round=5, length=1))
     assert e.value.code.name == "PERMISSION_DENIED"
