@@ -539,7 +539,10 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
 
     if not path:
         return {}
-    p = Path(path)
+    problem = home_problem("--config", path)
+    if problem is not None:
+        raise ConfigFileError(problem)
+    p = Path(path).expanduser()  # as every other path flag (`--config=~/x.yaml`: the shell leaves that ~ alone)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:

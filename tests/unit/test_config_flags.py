@@ -299,3 +299,17 @@ def test_no_config_takes_a_non_finite_number(tmp_path):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["join", "--inner-lr", "inf"])
     assert e.value.code == 2
+
+
+def test_a_config_file_under_home_is_read_and_of_nobody_refused(tmp_path, monkeypatch):
+    """``--config=~/peer.yaml`` (the shell leaves a ``~`` after ``=`` alone): read from the home folder as every other
+    path flag is (red team 43: it was "cannot read config file ~/peer.yaml"); ``~NAME`` of no user: one line."""
+    from geomesh_p2p.config.flags import ConfigFileError, load_config_defaults
+    from peer.cli import build_parser
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "peer.yaml").write_text("seed: 7\n")
+    sub = build_parser()._subparsers._group_actions[0].choices["join"]
+    assert load_config_defaults(sub, "~/peer.yaml")["seed"] == 7
+    with pytest.raises(ConfigFileError, match=r"^--config ~nosuchuser43/p.yaml: no user 'nosuchuser43'"):
+        load_config_defaults(sub, "~nosuchuser43/p.yaml")
