@@ -110,9 +110,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         # summary, a --workdir naming a file FileExistsError's (red team 43)
         if ns.summary_json:
             _check_writable("--summary-json", ns.summary_json)
-        if ns.workdir and Path(ns.workdir).exists() and not Path(ns.workdir).is_dir():
+        given = Path(ns.workdir).expanduser() if ns.workdir else None  # a quoted "~/x" made a folder named "~"
+        if given is not None and given.exists() and not given.is_dir():
             raise ValueError(f"--workdir {ns.workdir}: exists and is not a folder")
-        workdir = Path(ns.workdir or tempfile.mkdtemp(prefix="geomesh-demo-"))
+        workdir = given or Path(tempfile.mkdtemp(prefix="geomesh-demo-"))
         workdir.mkdir(parents=True, exist_ok=True)
     except ValueError as e:
         print(f"geomesh-peer demo: {e}", file=sys.stderr)

@@ -34,3 +34,24 @@ def test_a_demo_file_that_cannot_be_used_fails_before_the_swarm(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err == "geomesh-peer demo: " + line.format(p=p, d=tmp_path)
     assert (tmp_path / "afile").read_text() == "x"
+
+
+class _SwarmMade(Exception):
+    pass
+
+
+def test_a_quoted_home_workdir_is_the_home_folder_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    """``demo --workdir "~/run"`` (quoted: the shell leaves the ``~``) used a folder literally named ``~`` in the
+    working directory (red team 43's note); now ``$HOME/run``, as every other path flag."""
+    made = []
+
+    def swarm(workdir):
+        made.append(workdir)
+        raise _SwarmMade
+
+    monkeypatch.setattr(demo, "Swarm", swarm)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(_SwarmMade):
+        main(["demo", "--workdir", "~/run", "--rounds", "1"])
+    assert made == [tmp_path / "home" / "run"] and made[0].is_dir() and not (tmp_path / "~").exists()
