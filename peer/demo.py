@@ -108,13 +108,19 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         check_model(ns)
         # the files too: a --summary-json written after the whole swarm had run was a traceback that lost the
         # summary, a --workdir naming a file FileExistsError's (red team 43)
-        if ns.summary_json:
-            _check_writable("--summary-json", ns.summary_json)
         given = Path(ns.workdir).expanduser() if ns.workdir else None  # a quoted "~/x" made a folder named "~"
         if given is not None and given.exists() and not given.is_dir():
             raise ValueError(f"--workdir {ns.workdir}: exists and is not a folder")
+        made = given is not None and not given.exists()
         workdir = given or Path(tempfile.mkdtemp(prefix="geomesh-demo-"))
         workdir.mkdir(parents=True, exist_ok=True)
+        if ns.summary_json:  # after the workdir: `make demo` puts the summary in it (runs/demo on a fresh clone)
+            try:
+                _check_writable("--summary-json", ns.summary_json)
+            except ValueError:
+                if made or given is None:
+                    shutil.rmtree(workdir, ignore_errors=True)  # a refused start leaves no folder it made
+                raise
     except ValueError as e:
         print(f"geomesh-peer demo: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ Now both fail before any process starts, exit 2, one line naming the flag."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import peer.demo as demo
@@ -55,3 +57,23 @@ def test_a_quoted_home_workdir_is_the_home_folder_not_a_folder_named_tilde(tmp_p
     with pytest.raises(_SwarmMade):
         main(["demo", "--workdir", "~/run", "--rounds", "1"])
     assert made == [tmp_path / "home" / "run"] and made[0].is_dir() and not (tmp_path / "~").exists()
+
+
+def test_the_makefiles_demo_line_on_a_fresh_clone_starts_the_swarm(tmp_path, monkeypatch):
+    """`make demo` runs `demo --workdir runs/demo --summary-json runs/demo/summary.json` where runs/demo does not
+    exist yet: the summary's folder is the workdir the demo makes, so it starts (session 43's own check of the
+    summary refused it: "folder runs/demo does not exist", caught by a fresh clone's `make demo`). A summary path
+    refused elsewhere leaves no workdir behind."""
+    made = []
+
+    def swarm(workdir):
+        made.append(workdir)
+        raise _SwarmMade
+
+    monkeypatch.setattr(demo, "Swarm", swarm)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(_SwarmMade):
+        main(["demo", "--workdir", "runs/demo", "--summary-json", "runs/demo/summary.json", "--rounds", "1"])
+    assert made == [Path("runs/demo")] and (tmp_path / "runs" / "demo").is_dir()
+    assert main(["demo", "--workdir", "other", "--summary-json", "no/s.json", "--rounds", "1"]) == 2
+    assert made == [Path("runs/demo")] and not (tmp_path / "other").exists()
