@@ -75,10 +75,6 @@ class GcClock:
         if self._callback not in gc.callbacks:
             gc.callbacks.append(self._callback)
 
-    def uninstall(self) -> None:
-        if self._callback in gc.callbacks:
-            gc.callbacks.remove(self._callback)
-
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()

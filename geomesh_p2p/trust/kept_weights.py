@@ -32,10 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-try:  # POSIX; elsewhere a store holds no lock and sweeps nothing
-    import fcntl
-except ImportError:  # pragma: no cover - not on Linux
-    fcntl = None  # type: ignore[assignment]
+from geomesh_p2p.util.atomic import open_unlocked, try_lock
 
 __all__ = ["KeptWeights", "FILE_MAP_ATTR", "file_map_range", "sweep_orphans", "PREFIX", "LOCK_NAME"]
 
@@ -223,15 +220,14 @@ def _hold_lock(path: str) -> Optional[int]:
     """Make ``path``/:data:`LOCK_NAME` already locked (exclusive ``flock``): locked under a temporary name, then
     renamed (the lock is the inode's), so a sweeper never finds the name unlocked. Returns the descriptor to keep
     open while the store lives; None where ``flock`` is missing or fails (the store works, nobody can sweep it)."""
-    if fcntl is None:
-        return None
     part = os.path.join(path, LOCK_NAME + ".part")
     try:
         fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not try_lock(fd):
+            raise OSError("no flock here")
         os.replace(part, os.path.join(path, LOCK_NAME))
     except OSError:
         os.close(fd)
@@ -246,8 +242,6 @@ def sweep_orphans(parent: str) -> list[str]:
     ``flock``) and those this user cannot open are left alone. Logs one INFO line when it removed any.
 
     Returns the paths removed. Never raises (a directory that vanished or resists removal is skipped)."""
-    if fcntl is None:
-        return []
     removed, freed = [], 0
     try:
         names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
@@ -255,15 +249,9 @@ def sweep_orphans(parent: str) -> list[str]:
         return []
     for name in names:
         d = os.path.join(parent, name)
-        try:
-            fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR)
-        except OSError:
-            continue  # no lock file (older store, or not ours to open)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its owner lives
+        fd = open_unlocked(os.path.join(d, LOCK_NAME))
+        if fd is None:
+            continue  # its owner lives, or no lock file (an older store, or not ours to open)
         try:
             size = sum(e.stat().st_size for e in os.scandir(d) if e.is_file(follow_symlinks=False))
             shutil.rmtree(d)

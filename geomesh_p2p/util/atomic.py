@@ -21,6 +21,8 @@ __all__ = [
     "atomic_write",
     "bounded_write_s",
     "sweep_stale_writes",
+    "try_lock",
+    "open_unlocked",
     "MIN_DISK_BPS",
     "WRITE_TIMEOUT_MIN_S",
     "STALE_WRITE_AGE_S",
@@ -86,13 +88,8 @@ def atomic_write(
     try:
         # held while the file is written: a process killed mid-write (a checkpoint, a 1 GB token file) leaves it
         # unlocked, and a later start removes it (sweep_stale_writes); the lock is the inode's, so write may reopen it
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                # a file system without flock (Lustre's default ENOSYS, NFS without its lock daemon ENOLCK): the
-                # write goes on unlocked, as before the lock existed; a sweep there cannot lock either and keeps it
-                pass
+        # (a file system without flock: the write goes on unlocked, and a sweep there cannot lock it either)
+        try_lock(fd)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -106,6 +103,31 @@ def atomic_write(
         raise
     finally:
         os.close(fd)
+
+
+def try_lock(fd: int) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` without waiting. False when another open file holds it, or where the
+    file system or platform has no ``flock`` (Lustre's default answers ENOSYS, NFS without its lock daemon ENOLCK)."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def open_unlocked(path: str) -> Optional[int]:
+    """A descriptor of ``path`` with its exclusive ``flock`` taken (close it to release), or None when it cannot be
+    opened (gone, not this user's, a link) or its lock is held: a live owner's (:func:`try_lock`). Never blocks."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    if not try_lock(fd):
+        os.close(fd)
+        return None
+    return fd
 
 
 def sweep_stale_writes(folder: str | os.PathLike, min_age_s: float = STALE_WRITE_AGE_S) -> list[str]:
@@ -131,16 +153,14 @@ def sweep_stale_writes(folder: str | os.PathLike, min_age_s: float = STALE_WRITE
     for e in entries:
         try:
             st = e.stat(follow_symlinks=False)
-            if now - st.st_mtime < min_age_s:
-                continue
-            fd = os.open(e.path, os.O_RDONLY)
         except OSError:
             continue
+        if now - st.st_mtime < min_age_s or (fd := open_unlocked(e.path)) is None:
+            continue  # young, or being written (locked), or gone
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(e.path)
         except OSError:
-            continue  # being written (locked), or gone
+            continue
         finally:
             os.close(fd)
         removed.append(e.path)
