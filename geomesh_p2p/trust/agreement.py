@@ -54,6 +54,10 @@ MAD_SCALE = 0.6745
 #: elements per slice of :func:`sign_agreements` (16 MiB of fp32)
 _SLICE = 1 << 22
 
+#: count sign packets on their packed bits against :class:`PackedSigns` (False: decode them, as before session
+#: 44; ``benchmarks/agreement_bits.py`` runs both side by side)
+_COUNT_PACKED = True
+
 
 @dataclass(frozen=True)
 class PackedSigns:
@@ -115,6 +119,44 @@ def signs_of(aggregate: torch.Tensor, chunk: int = 1 << 22) -> PackedSigns:
     return PackedSigns(n, torch.from_numpy(nonzero), torch.from_numpy(positive))
 
 
+def _window_bits(bitmap: np.ndarray, start: int, m: int) -> np.ndarray:
+    """Bits ``[start, start + m)`` of a little-endian bitmap as ``ceil(m / 8)`` uint8, bits past ``m`` zero (a copy
+    when ``start`` is not on a byte: unpacked and packed again, ``m`` bytes of temporaries)."""
+    lo, hi = start // 8, -(-(start + m) // 8)
+    if start % 8:
+        bits = np.unpackbits(bitmap[lo:hi], bitorder="little")[start % 8 : start % 8 + m]
+        return np.packbits(bits, bitorder="little")
+    out = bitmap[lo:hi].copy()
+    if m % 8:
+        out[-1] &= (1 << (m % 8)) - 1
+    return out
+
+
+def _packed_counts(packet: Any, signs: PackedSigns, start: int) -> tuple[int, int]:
+    """The (both non-zero, signs equal) counts of :func:`sign_agreements` for one sign packet (block size a
+    multiple of 8) against elements ``[start, start + numel)`` of ``signs``, on the packed bits (issue 27, session
+    44): an element of the packet is non-zero where its block's scale is > 0 (scales are finite and >= 0, so a
+    decoded value is +-scale), negative where its bit is 1, so ``live = nonzero(aggregate) & scale > 0`` and
+    ``agree = live & (positive(aggregate) xor bit)``, counted with popcounts over :data:`_SLICE` elements at a
+    time. The same integers as decoding to fp32 (``tests/unit/test_agreement_bits.py``), with ``_SLICE / 8``-byte
+    temporaries instead of a few fp32 slices, and without the decode's multiplies."""
+    n, B = packet.numel, packet.block_size
+    nz_all, pos_all = signs.nonzero.numpy(), signs.positive.numpy()
+    bits_all, live_blocks = packet.signs.numpy(), (packet.scales > 0).numpy()
+    both = agree = 0
+    step = max(B, _SLICE // B * B)  # a whole number of blocks (and so of bytes) a slice
+    for a in range(0, n, step):
+        m = min(step, n - a)
+        live = _window_bits(nz_all, start + a, m)
+        # each block's scale > 0, spread over its B / 8 bytes (the last block may end inside its bytes: masked by
+        # live, whose bits past m are 0)
+        live &= np.repeat(live_blocks[a // B : -(-(a + m) // B)], B // 8)[: live.size].astype(np.uint8) * np.uint8(255)
+        both += int(np.bitwise_count(live).sum(dtype=np.int64))
+        same = _window_bits(pos_all, start + a, m) ^ bits_all[a // 8 : a // 8 + live.size]
+        agree += int(np.bitwise_count(live & same).sum(dtype=np.int64))
+    return both, agree
+
+
 def sign_agreements(
     contributions: Mapping[str, Mapping[int, Any]],
     aggregate: torch.Tensor | PackedSigns,
@@ -124,9 +166,11 @@ def sign_agreements(
     other encodings are skipped), the elements where both its decoded value and ``aggregate`` (fp32 ``[P]``, or
     its :func:`signs_of`: the same figures) are non-zero, the share where their signs are equal. A contributor with
     no such element is left out. Integer counts, so the same inputs give the same figures on every machine.
-    Decodes :data:`_SLICE` elements at a time (:func:`~geomesh_p2p.trust.check_model.decode_span`, bitwise the
-    whole decode's): its temporaries are a few slices, not a part's. Blocking (it decodes every contribution): off
-    the event loop."""
+    Against :class:`PackedSigns` (what verified work holds) a packet is counted on its packed bits
+    (:func:`_packed_counts`, the same integers); against an fp32 aggregate, or a packet whose block size is not a
+    multiple of 8, it is decoded :data:`_SLICE` elements at a time (:func:`~geomesh_p2p.trust.check_model.
+    decode_span`, bitwise the whole decode's): its temporaries are a few slices, not a part's. Blocking (it reads
+    every contribution): off the event loop."""
     total = aggregate.numel()
 
     out: dict[str, float] = {}
@@ -138,6 +182,10 @@ def sign_agreements(
             s, e = part_ranges[j]
             n = packet.numel
             if min(e, total) - min(s, total) != n:
+                continue
+            if _COUNT_PACKED and isinstance(aggregate, PackedSigns) and packet.block_size % 8 == 0:
+                b_, a_ = _packed_counts(packet, aggregate, s)
+                both, agree = both + b_, agree + a_
                 continue
             # a slice at a time (issue 27, session 41): the whole part's decode, its signs and their masks were
             # ~1 GB of temporaries at gpt2-124m, the peak of a peer whose next inner steps ran beside them
