@@ -404,8 +404,12 @@ def cmd_join(ns: argparse.Namespace) -> int:
     except OtherRunError as e:  # exit 1, as when the node raised it (start_error_status)
         print(f"geomesh-peer join: {e}", file=sys.stderr)
         return 1
-    # torch's import, the model and the proof of work take 10-30 s on a CPU box before the next line: say so
-    log.info("geomesh-peer join: starting (torch, the model, then the proof of work; 10-30 s on a CPU)")
+    # torch's import and the model take 10-30 s on a CPU box, the proof of work as long again or more (a fresh-user
+    # trial, session 44: 29 s, then 34-67 s at load ~8): say so before the long silence
+    log.info(
+        "geomesh-peer join: starting (torch and the model: 10-30 s on a CPU; then a new identity's proof of work: "
+        "seconds to a minute or more on a busy machine)"
+    )
     from geomesh_p2p.node.host import set_threads
     from geomesh_p2p.node.peer import PeerNode
     from geomesh_p2p.node.checkpoints import remove_empty_folders
