@@ -581,6 +581,7 @@ class PeerNode:
             self._reached_target()
             if driver.ended is not None:
                 return report.log_swarm_ended(self, driver.ended)
+            await self.verified.settle()  # its last lines before "done"
             report.log_done(self)
         finally:
             await self.shutdown()

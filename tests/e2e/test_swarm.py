@@ -43,6 +43,9 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     # full collections skip the imports' and the model's ~350,000 objects)
     frozen = [json.loads((tmp_path / f"{n}.summary.json").read_text())["gc"]["frozen"] for n in names]
     assert all(f > 100_000 for f in frozen), frozen
+    for n in names:  # "done" is a peer's closing line: the last round's agreement line comes before it (fresh user 44)
+        t = swarm.text(n)
+        assert "done (" in t and ": contributions (agreement" not in t[t.rindex("done (") :], t[-2000:]
     rows = swarm.rows("p0")
     assert [x["round"] for x in rows] == [0, 1, 2, 3]
     for r in range(4):
