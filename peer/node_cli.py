@@ -655,8 +655,13 @@ def add_subcommands(sub, add_common) -> None:
     )
     # The flags it shares with join, from the same fields (defaults and checks written once).
     add_flags(prof, flag_specs(RunConfig, only=("model", "seq_len")))
+    # join's own start-up sizes, so profile shows what join measures (fresh-user trial 44: 1,4,8,16 here, 4,8,16 there)
+    join_sizes = NodeConfig.model_fields["profile_batches"].get_default(call_default_factory=True)
     prof.add_argument(
-        "--batch-sizes", type=_batch_list, default=[1, 4, 8, 16], help="comma-separated batch sizes (default: 1,4,8,16)"
+        "--batch-sizes",
+        type=_batch_list,
+        default=join_sizes,
+        help=f"comma-separated batch sizes (default: {','.join(map(str, join_sizes))}, what join measures at start)",
     )
     add_flags(
         prof,

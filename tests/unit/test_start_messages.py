@@ -426,3 +426,19 @@ def test_profile_with_a_memory_budget_measures_with_joins_mmap_threshold(monkeyp
     assert main(["profile", "--model", "tiny"]) == 0 and set_to == []
     assert main(["profile", "--model", "tiny", "--memory-budget-gb", "6"]) == 0 and set_to == [4 * 2**20]
     assert capsys.readouterr().out.splitlines() == ["{'budget': None}", "{'budget': 6442450944}"]
+
+
+def test_profile_measures_joins_batch_sizes_by_default(monkeypatch, capsys):
+    """Fresh-user trial 44: ``profile`` measured 1,4,8,16 and ``join`` 4,8,16 at start; the same by default now."""
+    import geomesh_p2p.model.profile
+    import geomesh_p2p.node.host
+    from geomesh_p2p.config.models import NodeConfig
+
+    monkeypatch.setattr(geomesh_p2p.node.host, "set_threads", lambda n: None)
+    monkeypatch.setattr(geomesh_p2p.model.profile, "profile", lambda **kw: {"sizes": kw["batch_sizes"]})
+    monkeypatch.setattr(geomesh_p2p.model.profile, "format_profile_table", lambda r: str(r))
+    from peer.cli import main
+
+    assert main(["profile", "--model", "tiny"]) == 0 and main(["profile", "--batch-sizes", "2,3"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["{'sizes': [4, 8, 16]}", "{'sizes': [2, 3]}"]
+    assert NodeConfig().profile_batches == [4, 8, 16]
