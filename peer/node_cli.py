@@ -13,7 +13,16 @@ import sys
 log = logging.getLogger("geomesh-peer")
 
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
-from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
+from geomesh_p2p.config.flags import (
+    PARSERS,
+    FlagSpec,
+    add_flags,
+    flag_specs,
+    number_type,
+    takes,
+    to_argv,
+    values_from,
+)
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
@@ -39,6 +48,7 @@ def _int_at_least(lo: int, hi: int | None = None):
     return number_type(int, ge=lo, le=hi)
 
 
+@takes("number")
 def _probe_mb(text: str) -> float:
     v = _positive_float(text)
     if not 0.0625 <= v <= 4:
