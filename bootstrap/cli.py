@@ -30,7 +30,7 @@ import sys
 import time
 from typing import NoReturn, Optional
 
-from geomesh_p2p.util.exit_gc import skip_exit_collections
+from geomesh_p2p.util.exit_gc import arm_startup_freeze, freeze_startup_heap, skip_exit_collections
 from geomesh_p2p import __version__
 from geomesh_p2p.config.flags import (
     ConfigFileError,
@@ -376,6 +376,9 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     save_failures, count_failures, below = LogOnChange(log), LogOnChange(log), LogOnChange(log)
 
     saving: list[asyncio.Future] = []  # the last write (a stuck one is not joined by another)
+    # Its imports (hivemind loads torch), servers and saved state are built: the run's full collections skip them
+    # from now on, as the peer's do (geomesh_p2p/util/exit_gc.py); only when main() runs as this process.
+    freeze_startup_heap()
 
     async def save_state() -> None:
         if not state_file:
@@ -461,6 +464,8 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``geomesh-bootstrap``. Returns 0 on a clean stop (SIGINT/SIGTERM), 2 on bad options."""
     skip_exit_collections()  # as the peer's: no full GC passes over the imported packages at exit (docs/exit-lag.md)
+    if argv is None:  # this process's own command line (not main([...]) in a test): freeze the start-up heap
+        arm_startup_freeze()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl+C before serve() catches it (imports take seconds): no traceback

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from geomesh_p2p.config.flags import comma_numbers
 from geomesh_p2p.util.procs import ProcGroup, bootstrap_argv, join_argv, read_json_rows, wait_for_address
 
 
@@ -29,11 +30,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--speed-factors",
+        type=comma_numbers,
         default="1.0,0.55,0.4",
         help="per-peer relative speed, comma-separated, cycled (default: %(default)s)",
     )
     g.add_argument(
-        "--memory-budgets", default="", help="per-peer CPU memory budget in GB, comma-separated (default: none)"
+        "--memory-budgets",
+        type=comma_numbers,
+        default="",
+        help="per-peer CPU memory budget in GB, comma-separated (default: none)",
     )
     g.add_argument(
         "--rounds", type=_int_at_least(1), default=40, help="stop after this many rounds (default: %(default)s)"

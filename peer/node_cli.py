@@ -13,7 +13,16 @@ import sys
 log = logging.getLogger("geomesh-peer")
 
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS  # noqa: F401  (re-exported for tests)
-from geomesh_p2p.config.flags import PARSERS, FlagSpec, add_flags, flag_specs, number_type, to_argv, values_from
+from geomesh_p2p.config.flags import (
+    PARSERS,
+    FlagSpec,
+    add_flags,
+    flag_specs,
+    number_type,
+    takes,
+    to_argv,
+    values_from,
+)
 from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
@@ -39,6 +48,7 @@ def _int_at_least(lo: int, hi: int | None = None):
     return number_type(int, ge=lo, le=hi)
 
 
+@takes("number")
 def _probe_mb(text: str) -> float:
     v = _positive_float(text)
     if not 0.0625 <= v <= 4:
@@ -364,11 +374,14 @@ def ping_bootstraps_first(ns: argparse.Namespace) -> bool:
     """Each ``--bootstrap`` pinged before torch's import (:func:`~geomesh_p2p.dht.preflight.check_bootstraps`, 5 s
     deadline): a wrong ``--run-id`` or an address nobody answers at was named only after torch, the model and the
     proof of work (~60 s on a loaded 2-core box, session 35). Signed with ``--identity``'s key when the file exists
-    (a private run's bootstrap may admit only it), else a throwaway one: a ping needs no proof of work. When none
-    answered, one WARNING line (the node's, word for word). Returns whether it pinged (the node then does not
-    again: :func:`geomesh_p2p.node.joining.check_before_proof_of_work`).
+    (a private run's bootstrap may admit only it), else a throwaway one: a ping needs no proof of work. Addresses
+    that each refuse the connection (nothing listens there) are pinged again, ``--join-attempts`` times within
+    :data:`~geomesh_p2p.dht.preflight.REFUSED_WINDOW_S` (15 s), a line per retry. When none answered, one WARNING
+    line (the node's, word for word). Returns whether it pinged (the node then does not again:
+    :func:`geomesh_p2p.node.joining.check_before_proof_of_work`).
 
     Raises:
+        NothingListensError: nothing listened at any ``--bootstrap`` address during those tries, naming them.
         OtherRunError: a bootstrap serves another run (and every other failure is final), naming ``--run-id``.
         ValueError: ``--identity`` cannot be loaded; TlsError (a ValueError): a ``--tls-*`` file, named.
     """
@@ -386,14 +399,17 @@ def ping_bootstraps_first(ns: argparse.Namespace) -> bool:
         identity = Identity.load_or_create(ns.identity) if Path(ns.identity).expanduser().exists() else None
     except IdentityError as e:
         raise ValueError(str(e)) from None
-    line = asyncio.run(check_bootstraps(identity or Identity.generate(), ns.run_id, ns.bootstrap, tls))
+    attempts = getattr(ns, "join_attempts", 1)
+    line = asyncio.run(
+        check_bootstraps(identity or Identity.generate(), ns.run_id, ns.bootstrap, tls, attempts=attempts)
+    )
     if line is not None:
         logging.getLogger("geomesh_p2p.node.peer").warning(line)  # the node's logger: the line it logged before
     return True
 
 
 def cmd_join(ns: argparse.Namespace) -> int:
-    from geomesh_p2p.dht.preflight import OtherRunError
+    from geomesh_p2p.dht.preflight import DHTJoinError
 
     try:
         check_fast(ns)
@@ -401,7 +417,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
     except (ValueError, UserFacingError) as e:
         print(f"geomesh-peer join: {e}", file=sys.stderr)
         return 2
-    except OtherRunError as e:  # exit 1, as when the node raised it (start_error_status)
+    except DHTJoinError as e:  # another run, nothing listening: exit 1, as when the node raised it (start_error_status)
         print(f"geomesh-peer join: {e}", file=sys.stderr)
         return 1
     # torch's import and the model take 10-30 s on a CPU box, the proof of work as long again or more (a fresh-user

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 
+from geomesh_p2p.config.flags import takes
 from geomesh_p2p.config.models import DEFAULT_RUN_ID
 from geomesh_p2p.model.ckpt_files import checkpoint_dir_problem
 from geomesh_p2p.schema.shards import check_shards
@@ -34,6 +35,7 @@ def _one_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------- status
+@takes("int")
 def _record_shards(text: str) -> int:
     """argparse type of ``--record-shards``: a power of two in 1..256 (argparse names the flag in its error)."""
     try:

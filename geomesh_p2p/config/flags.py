@@ -8,8 +8,10 @@ parsed namespace back into field values, :func:`to_argv` renders a namespace bac
 peers) and :func:`load_config_defaults` reads a YAML/JSON config file into parser defaults.
 
 Precedence: a flag on the command line > a value in ``--config FILE`` > the field's default. The file's
-values become the parser's defaults and go through the same flag type and choices, so an unknown key or a
-bad value fails at start, naming the key and the file (:class:`ConfigFileError`).
+values become the parser's defaults: each is checked for its kind first (pydantic's strict types,
+:func:`file_value_problem`: no list, true or null for a number, no number for a path), then goes through the same
+flag type and choices, so an unknown key or a bad value fails at start, naming the key and the file
+(:class:`ConfigFileError`).
 
 Only argparse, json, math, yaml and pydantic are imported here, so ``--help`` stays fast.
 """
@@ -23,9 +25,10 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, cast
+import functools
+from typing import Any, Callable, Literal, Optional, TypeVar, Union, cast
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from geomesh_p2p.net.addr import AddressError, canonical_address
@@ -45,6 +48,8 @@ __all__ = [
     "home_problem",
     "PARSERS",
     "capped",
+    "takes",
+    "comma_numbers",
 ]
 
 _DEFAULT_MARK = " (default: %(default)s)"
@@ -93,7 +98,103 @@ def opt(
     return Field(default, description=help or None, json_schema_extra=extra, **constraints)
 
 
+# ---------------------------------------------------------------------------------------------- value kinds
+#: What a config file may give for each kind of flag value, as pydantic's strict types: the file's value is checked
+#: against it before it goes through the flag's type as text, so YAML's ``[1]`` is no number (it read as 1), ``true``
+#: no number, ``5`` no path and ``null`` no port (``mmap_threshold_mib: [1]`` was taken for 1, session 44). A list
+#: is only for the flags that take a comma-separated list (``profile_batches: [4, 8]`` or ``"4,8"``).
+_FILE_TYPES: dict[str, Any] = {
+    "text": StrictStr,
+    "int": StrictInt,
+    "number": Union[StrictInt, StrictFloat],
+    "auto_int": Union[StrictInt, StrictStr],  # auto or an integer (the flag's type reads the text)
+    "auto_number": Union[StrictInt, StrictFloat, StrictStr],
+    "int_list": Union[StrictStr, list[StrictInt]],
+    "number_list": Union[StrictStr, list[Union[StrictInt, StrictFloat]]],
+    "text_list": Union[StrictStr, list[StrictStr]],
+}
+
+#: Each kind in the words of a config-file error ("expected an integer, got ...").
+_KIND_WORDS = {
+    "text": "text",
+    "int": "an integer",
+    "number": "a number",
+    "auto_int": "auto or an integer",
+    "auto_number": "auto or a number",
+    "int_list": "a list of integers",
+    "number_list": "a list of numbers",
+    "text_list": "a list of text values",
+}
+
+_Parse = TypeVar("_Parse", bound=Callable[..., Any])
+
+
+def takes(kind: str) -> Callable[[_Parse], _Parse]:
+    """Decorator of a flag type: the kind of value (a key of :data:`_FILE_TYPES`) a config file may give for it."""
+    if kind not in _FILE_TYPES:
+        raise ValueError(f"unknown value kind {kind!r}")
+
+    def mark(parse: _Parse) -> _Parse:
+        parse.value_kind = kind  # type: ignore[attr-defined]
+        return parse
+
+    return mark
+
+
+@functools.cache
+def _file_type(kind: str) -> TypeAdapter:
+    return TypeAdapter(_FILE_TYPES[kind])
+
+
+def value_kind(action: argparse.Action) -> str:
+    """The kind of value (:data:`_FILE_TYPES`) a config file may give for ``action``: its type's
+    :func:`takes` mark; ``int`` and ``float`` for Python's own; text for a flag without a type (paths, hosts,
+    names, choices)."""
+    kind = getattr(action.type, "value_kind", None)
+    if kind is not None:
+        return kind
+    if action.type is int:
+        return "int"
+    if action.type is float:
+        return "number"
+    return "text"
+
+
+def _shown_value(value: Any) -> str:
+    """A config file's value as its error shows it, in YAML's words: ``the list [1]``, ``true``, ``null``, ``the
+    number 5``, ``the text '5'``, ``a mapping``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the text {value!r}"
+    if isinstance(value, list):
+        shown = json.dumps(value, default=str)  # as the file would write it: [1, true], not [1, True]
+        return f"the list {shown if len(shown) <= 60 else shown[:57] + '...'}"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__}"
+
+
+def file_value_problem(kind: str, value: Any) -> Optional[str]:
+    """``"expected <kind>, got <value>"`` when a config file's ``value`` is not of ``kind`` (pydantic's strict
+    check of :data:`_FILE_TYPES`), with how to quote a number or true/false given for text; None when it is."""
+    try:
+        _file_type(kind).validate_python(value, strict=True)
+        return None
+    except ValidationError:
+        pass
+    hint = ""
+    if kind in ("text", "text_list") and isinstance(value, (bool, int, float)):
+        hint = f' (quote it: "{_shown_value(value).removeprefix("the number ")}")'
+    return f"expected {_KIND_WORDS[kind]}, got {_shown_value(value)}{hint}"
+
+
 # ---------------------------------------------------------------------------------------------- flag types
+@takes("number")
 def _finite(text: str) -> float:
     try:
         v = float(text)
@@ -104,6 +205,7 @@ def _finite(text: str) -> float:
     return v
 
 
+@takes("int")
 def _integer(text: str) -> int:
     try:
         return int(text)
@@ -141,9 +243,11 @@ def number_type(kind: type, ge=None, gt=None, le=None, lt=None) -> Callable[[str
         return v
 
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording, for a type that raises ValueError
+    parse.value_kind = "int" if kind is int else "number"  # type: ignore[attr-defined]
     return parse
 
 
+@takes("text")
 def _nonempty(text: str) -> str:
     """A string field with ``min_length=1`` (an identifier: run id, host, key path): '' is refused."""
     if not text.strip():
@@ -151,6 +255,7 @@ def _nonempty(text: str) -> str:
     return text
 
 
+@takes("int_list")
 def _batch_list(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
@@ -161,6 +266,7 @@ def _batch_list(text: str) -> list[int]:
     return sizes
 
 
+@takes("number")
 def _mbps(text: str) -> float:
     v = number_type(float, gt=0)(text)
     if not 0.001 <= v <= 1e6:
@@ -168,6 +274,7 @@ def _mbps(text: str) -> float:
     return v
 
 
+@takes("number")
 def _speed_factor(text: str) -> float:
     v = number_type(float, gt=0)(text)
     if v > 1:
@@ -179,6 +286,7 @@ def _speed_factor(text: str) -> float:
 MAX_LOCAL_DEVICES = 64
 
 
+@takes("text_list")
 def _device_list(text: str) -> list[str]:
     """``--local-devices``: 2 or more comma-separated devices, all ``cpu`` or all ``cuda`` / ``cuda:N`` (a
     device may repeat: two ranks on one GPU). Spelled canonically (``cuda`` stays ``cuda``: rank i of a
@@ -201,6 +309,7 @@ def _device_list(text: str) -> list[str]:
     return items
 
 
+@takes("text")
 def _device(text: str) -> str:
     """``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (N a GPU index without leading zeros), as given.
     A subset of what :func:`geomesh_p2p.model.device.parse_device` takes (it is not imported: torch), so a value it
@@ -217,6 +326,7 @@ def _device(text: str) -> str:
     return text
 
 
+@takes("text")
 def _run_id(text: str) -> str:
     """``--run-id``: :func:`geomesh_p2p.schema.run_id.check_run_id` (every DHT key of the run fits a node's limit)."""
     try:
@@ -242,9 +352,18 @@ def _auto_or(kind: type, **bounds) -> Callable[[str], Any]:
 
     parse.__name__ = kind.__name__
     parse.accepts_auto = True  # type: ignore[attr-defined]  # to_argv renders None as "auto"
+    parse.value_kind = "auto_int" if kind is int else "auto_number"  # type: ignore[attr-defined]
     return parse
 
 
+@takes("number_list")
+def comma_numbers(text: str) -> str:
+    """An argparse type: comma-separated numbers, kept as given (the caller splits and checks them); a config file
+    may give them as a list (``speed_factors: [1.0, 0.5]``)."""
+    return text
+
+
+@takes("text")
 def _host_port(text: str) -> str:
     """``HOST:PORT`` (``[IPV6]:PORT``) in its canonical spelling (:func:`geomesh_p2p.net.addr.canonical_address`)."""
     try:
@@ -274,6 +393,7 @@ def capped(parse: Callable[[str], Any], le: Optional[float] = None, lt: Optional
         return v
 
     parse_capped.__name__ = getattr(parse, "__name__", "parse")
+    parse_capped.value_kind = value_kind(argparse.Action([], "x", type=parse))  # type: ignore[attr-defined]
     if getattr(parse, "accepts_auto", False):
         parse_capped.accepts_auto = True  # type: ignore[attr-defined]  # to_argv renders None as "auto"
     return parse_capped
@@ -531,7 +651,8 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
     the values as parser defaults (so flags on the command line still win).
 
     Keys are the long option names, with dashes or underscores (``speed-factors`` or ``speed_factors``).
-    Each value goes through the option's own ``type`` and ``choices``, as on the command line.
+    Each value must be of its option's kind (:func:`value_kind`: ``[1]`` is no number, ``5`` no path), then
+    goes through the option's own ``type`` and ``choices``, as on the command line.
     Raises ConfigFileError with a one-line message naming the file and the bad key (or: unreadable, not
     UTF-8 text, does not parse).
     """
@@ -580,11 +701,23 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
 
 
 def _checked(path: Path, key, action: argparse.Action, value):
-    """``value`` from the file run through the option's own ``type`` and ``choices``, as the same flag on
-    the command line would be (ranges, types: a ``threads: -3`` fails here, not in the node)."""
+    """``value`` from the file checked for its kind (:func:`value_kind`: no list, true or null for a number, no
+    number for a path...), then run through the option's own ``type`` and ``choices``, as the same flag on the
+    command line would be (ranges, types: a ``threads: -3`` fails here, not in the node). Raises ConfigFileError
+    naming the file and the key."""
 
     def one(v):
-        if action.type is not None and v is not None:
+        if v is None:
+            if action.default is not None:  # null for a flag that cannot be unset (a port): not its default
+                raise ConfigFileError(
+                    f"config file {path}: {key}: expected {_KIND_WORDS[value_kind(action)]}, got null (leave the key "
+                    "out for the default)"
+                )
+            return v
+        problem = file_value_problem(value_kind(action), v)
+        if problem is not None:
+            raise ConfigFileError(f"config file {path}: {key}: {problem}")
+        if action.type is not None:
             text = ",".join(str(x) for x in v) if isinstance(v, list) else str(v)
             try:
                 v = action.type(text)
@@ -598,7 +731,7 @@ def _checked(path: Path, key, action: argparse.Action, value):
 
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
-            raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {value!r}")
+            raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {_shown_value(value)}")
         return value
     if isinstance(action, argparse._AppendAction):
         return [one(v) for v in value]

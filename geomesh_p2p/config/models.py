@@ -562,7 +562,8 @@ class NodeConfig(BaseModel):
     )
     join_attempts: int = opt(
         8,
-        "times the bootstrap addresses are tried before the join fails (backoff doubling from 0.5 s to 8 s: ~32 s for 8)",
+        "times the bootstrap addresses are tried before the join fails (backoff doubling from 0.5 s to 8 s: ~32 s for "
+        "8); addresses at which nothing listens (connection refused) are given up after 15 s",
         group=TUNING_GROUP,
         ge=1,
         le=100,

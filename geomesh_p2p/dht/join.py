@@ -39,11 +39,16 @@ from geomesh_p2p.dht.lookup import DHTLookup
 
 # Shared with the CLI's pre-flight ping (importable without hivemind there), re-exported here.
 from geomesh_p2p.dht.preflight import final_failure as final_failure
+from geomesh_p2p.dht.preflight import NothingListensError, nothing_listens, nothing_listens_message, refused_wait
 from geomesh_p2p.dht.preflight import other_run_message as other_run_message
 from geomesh_p2p.dht.preflight import short_reason as short_reason
 
 # The node was one module: its parts log under that logger name (operators filter on it).
 log = logging.getLogger("geomesh_p2p.dht.node")
+
+# The clock and the sleep of the join's retries (tests replace them: no real waits, the waits counted).
+_now = time.monotonic
+_sleep = asyncio.sleep
 
 #: A re-measured clock offset that differs from the one in use by this much (seconds) or more is a jump,
 #: followed once CLOCK_CONFIRMATIONS measurements in a row agree within CLOCK_CONFIRM_SPREAD_S (smaller changes:
@@ -98,8 +103,14 @@ class DHTJoin(DHTLookup):
         new swarm), then look up this node's own id to fill the routing table and make it known.
 
         Pings all bootstraps at once, ``attempts`` times (default ``join_attempts``) with backoff
-        doubling from ``join_backoff_s``. Starts the refresh and republish tasks. Returns the number of
-        nodes in the routing table. Raises DHTJoinError naming each bootstrap and why it failed.
+        doubling from ``join_backoff_s``; while every bootstrap refuses every connection (nothing listens
+        there), for ``refused_window_s`` seconds at most (the last wait cut to end with it). Starts the refresh
+        and republish tasks. Returns the number of nodes in the routing table.
+
+        Raises:
+            NothingListensError: every bootstrap refused every connection until ``refused_window_s`` was over,
+                naming the addresses (a mistyped port was retried for ~31 s, after the proof of work).
+            DHTJoinError: naming each bootstrap and why it failed.
         """
         addresses = list(dict.fromkeys(a.strip() for a in bootstrap if a and a.strip()))
         for a in addresses:
@@ -118,7 +129,8 @@ class DHTJoin(DHTLookup):
         short: Dict[str, str] = {}  # the same, in a few words (short_reason): the retry lines
         refused: Dict[str, RpcError] = {}  # bootstraps that answered with a refusal (not silence)
         ok: List[Contact] = []
-        t0 = time.monotonic()
+        listens_nowhere = True  # every connection of every attempt so far was refused
+        t0 = _now()
         for attempt in range(attempts):
             results = await asyncio.gather(*(self.ping(a) for a in addresses), return_exceptions=True)
             ok = [r for r in results if isinstance(r, Contact)]
@@ -144,9 +156,14 @@ class DHTJoin(DHTLookup):
                         refused[a] = r
                 else:
                     errors[a] = short[a] = str(r)
+            listens_nowhere &= all(nothing_listens(r) for r in results)
             if definitive or attempt == attempts - 1:
                 break
             wait = delay * random.uniform(0.8, 1.2)
+            if listens_nowhere:
+                wait = refused_wait(wait, _now() - t0, self.refused_window_s)
+                if wait <= 0:
+                    raise NothingListensError(nothing_listens_message(addresses, attempt + 1, _now() - t0))
             events.emit(
                 log,
                 logging.INFO,
@@ -161,7 +178,7 @@ class DHTJoin(DHTLookup):
                 attempts=attempts,
                 wait_s=wait,
             )
-            await asyncio.sleep(wait)
+            await _sleep(wait)
             delay = min(delay * 2, 8.0)
         if not ok:
             # the code, then the short reason unless it is a refusal (whose reason is the bootstrap's own sentence)
@@ -182,7 +199,7 @@ class DHTJoin(DHTLookup):
             tls = getattr(getattr(self.transport, "config", None), "tls", None) is not None
             raise DHTJoinError(
                 f"could not join the DHT: no bootstrap node answered "
-                f"({attempt + 1} attempt(s) over {time.monotonic() - t0:.1f}s): {detail}"
+                f"({attempt + 1} attempt(s) over {_now() - t0:.1f}s): {detail}"
                 f"{_tls_hint(errors.values(), tls)}"
             )
         for c in ok:

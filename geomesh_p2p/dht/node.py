@@ -146,6 +146,8 @@ class DHTNode(DHTJoin):
         (at once when a replacement is waiting in its bucket).
     :param join_attempts, join_backoff_s: :meth:`join` retries, with backoff doubling from this
         (±20% jitter), capped at 8 s.
+    :param refused_window_s: seconds :meth:`join` retries bootstraps that refuse every connection (nothing
+        listens there: a mistyped port, a bootstrap still starting) before it gives up, whatever ``join_attempts``.
     :param storage_size: max keys held (earliest expiring evicted first); None = unbounded.
     :param quota: bytes held per owner, per key, unsigned and in total (see :mod:`~geomesh_p2p.dht.quota`).
     :param max_contacts_per_ip, max_contacts_per_subnet: identities admitted into the routing table

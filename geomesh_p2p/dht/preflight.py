@@ -12,7 +12,9 @@ bootstrap that does not answer is named seconds after start, not after torch, th
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 from typing import Optional, Sequence, Union
 
 import grpc
@@ -23,6 +25,7 @@ from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.methods import DHT_PING
 from geomesh_p2p.net.transport import RpcError, Transport
 from geomesh_p2p.net.transport_config import TransportConfig
+from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.errors import UserFacingError
 from geomesh_p2p.wire import dht_pb2
 
@@ -30,6 +33,24 @@ DHT_PROTOCOL_VERSION = 1
 
 #: Seconds each bootstrap has to answer the pre-flight ping.
 PREFLIGHT_TIMEOUT_S = 5.0
+
+#: Seconds for which bootstrap addresses at which nothing listens (each connection refused) are tried again before
+#: the join gives up: a bootstrap that is starting listens within them (~14 s from its start to its "serving on" line
+#: on a loaded 2-core machine, session 44), and a mistyped port is named within them. It was 63-76 s: the pre-flight
+#: warned and went on, then the join's 8 attempts (~31 s of backoff) came after torch, the model and the proof of work.
+REFUSED_WINDOW_S = 15.0
+
+#: The first wait between two tries of addresses that refuse connections (seconds), doubled up to
+#: :data:`REFUSED_WAIT_CAP_S` (the join's backoff: ``DHTNode.join_backoff_s``, 8 s).
+REFUSED_FIRST_WAIT_S = 0.5
+REFUSED_WAIT_CAP_S = 8.0
+
+# The join's logger: the pre-flight's retry lines are the join's, worded alike.
+log = logging.getLogger("geomesh_p2p.dht.node")
+
+# The clock and the sleep of the pre-flight's retries (tests replace them: no real waits, the waits counted).
+_now = time.monotonic
+_sleep = asyncio.sleep
 
 # RPC failures that mean "this node cannot serve us" (as opposed to "it refused this record").
 _UNREACHABLE = {
@@ -52,6 +73,11 @@ class IdentityInUseError(DHTJoinError):
 
 class OtherRunError(DHTJoinError):
     """A bootstrap answered, but it serves another run (``--run-id``): it was reached, so no "cannot reach"."""
+
+
+class NothingListensError(DHTJoinError):
+    """Nothing listened at any bootstrap address (each connection refused) for :data:`REFUSED_WINDOW_S`: a mistyped
+    address or port, or no bootstrap runs there."""
 
 
 class ClockSkewError(DHTJoinError, UserFacingError):
@@ -129,6 +155,35 @@ def final_failure(result: BaseException) -> bool:
     if not isinstance(result, RpcError):
         return True
     return result.code not in _UNREACHABLE or _unresolvable(result.reason) or _not_grpc(result.reason)
+
+
+def nothing_listens(result: object) -> bool:
+    """Whether a failed ping (``result``) got no connection because nothing listens at its address: the host
+    refused the connection (a mistyped port, a bootstrap not started yet or restarting). Not a timeout (a host that
+    drops packets may be far or slow) nor an unresolvable name (final at once: :func:`final_failure`)."""
+    return (
+        isinstance(result, RpcError)
+        and result.code == grpc.StatusCode.UNAVAILABLE
+        and "connection refused" in (result.reason or "").lower()
+    )
+
+
+def refused_wait(delay_s: float, elapsed_s: float, window_s: float = REFUSED_WINDOW_S) -> float:
+    """The wait before the next try of addresses that refused every connection so far: ``delay_s`` (the backoff's),
+    cut so that the last try comes when ``window_s`` is over (``elapsed_s``: seconds since the first try); 0 when
+    it is over (no next try)."""
+    left = window_s - elapsed_s
+    return 0.0 if left < 0.001 else min(delay_s, left)  # not a try for a float's rounding
+
+
+def nothing_listens_message(addresses: Sequence[str], attempts: int, seconds: float) -> str:
+    """The join error for ``addresses`` at which nothing listened: each of ``attempts`` tries over ``seconds``
+    got its connection refused."""
+    return (
+        f"could not join the DHT: nothing listens at {', '.join(addresses)} (connection refused at each of "
+        f"{attempts} attempt(s) in {seconds:.0f} s): check the --bootstrap address and port, and that the "
+        f"bootstrap runs"
+    )
 
 
 def other_run_message(address: str, reason: str, own_run: str) -> str:
@@ -215,15 +270,57 @@ async def check_bootstraps(
     addresses: Sequence[str],
     tls: Optional[object] = None,
     timeout_s: float = PREFLIGHT_TIMEOUT_S,
+    attempts: int = 1,
+    window_s: float = REFUSED_WINDOW_S,
 ) -> Optional[str]:
     """The pre-flight: :func:`ping_bootstraps` (each address once, duplicates dropped), judged by
     :func:`preflight_verdict`. Returns the WARNING line to log when none answered, None when one did or there is
-    none to ping. Raises OtherRunError as :func:`preflight_verdict`."""
+    none to ping.
+
+    While every address refuses the connection (:func:`nothing_listens`: nothing listens there yet), they are
+    pinged again, up to ``attempts`` times in all (the join's ``--join-attempts``) within ``window_s`` seconds,
+    the waits doubling from :data:`REFUSED_FIRST_WAIT_S` (cut to end with the window): one INFO line per retry
+    naming each address ("no answer from ADDRESS (connection refused); retrying in 1.0 s (attempt 2 of 6)"). A
+    bootstrap that is starting is joined once it listens; a mistyped port is named within ``window_s``.
+
+    Raises:
+        NothingListensError: every address refused every connection, ``attempts`` times or for ``window_s``.
+        OtherRunError: as :func:`preflight_verdict`.
+    """
     addresses = list(dict.fromkeys(a.strip() for a in addresses if a and a.strip()))
     if not addresses:
         return None
-    results = await ping_bootstraps(identity, run_id, addresses, tls, timeout_s)
-    return preflight_verdict(addresses, results, run_id)
+    attempts = max(1, attempts)
+    # the tries that fit the window: the same schedule each time, so the retry lines can say "attempt n of m"
+    waits: list[float] = []
+    delay, planned = REFUSED_FIRST_WAIT_S, 0.0
+    while len(waits) + 1 < attempts and planned < window_s:
+        waits.append(refused_wait(delay, planned, window_s))
+        planned += waits[-1]
+        delay = min(2 * delay, REFUSED_WAIT_CAP_S)
+    t0 = _now()
+    for attempt in range(len(waits) + 1):
+        results = await ping_bootstraps(identity, run_id, addresses, tls, timeout_s)
+        if not all(nothing_listens(r) for r in results):
+            return preflight_verdict(addresses, results, run_id)
+        if attempt == len(waits):
+            raise NothingListensError(nothing_listens_message(addresses, attempt + 1, _now() - t0))
+        events.emit(
+            log,
+            logging.INFO,
+            "dht_join_retry",
+            "no answer from %s (connection refused); retrying in %.1f s (attempt %d of %d)",
+            ", ".join(addresses),
+            waits[attempt],
+            attempt + 1,
+            len(waits) + 1,
+            peer=identity.peer_id.to_string(),
+            attempt=attempt + 1,
+            attempts=len(waits) + 1,
+            wait_s=waits[attempt],
+        )
+        await _sleep(waits[attempt])
+    return None  # not reached: the last attempt returns or raises
 
 
 def unanswered_bootstraps_line(addresses: list[str], results: list[BaseException]) -> str:

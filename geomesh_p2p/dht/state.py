@@ -42,6 +42,7 @@ from geomesh_p2p.dht.preflight import ClockSkewError as ClockSkewError
 from geomesh_p2p.dht.preflight import DHTJoinError as DHTJoinError
 from geomesh_p2p.dht.preflight import IdentityInUseError as IdentityInUseError
 from geomesh_p2p.dht.preflight import OtherRunError as OtherRunError
+from geomesh_p2p.dht.preflight import REFUSED_WINDOW_S
 
 #: ``(key, subkey, value, owner) -> reason or None``: a check of a signed record's content by the layers above
 #: the DHT, run on every store this node accepts (``owner``: the signer's PeerID; bytes of the value).
@@ -205,6 +206,7 @@ class DHTNodeState:
         max_failures: int = 3,
         join_attempts: int = 5,
         join_backoff_s: float = 0.5,
+        refused_window_s: float = REFUSED_WINDOW_S,
         storage_size: Optional[int] = None,
         quota: StorageQuota = DEFAULT_QUOTA,
         max_contacts_per_ip: int = 8,
@@ -252,6 +254,7 @@ class DHTNodeState:
         #: ``store_check`` of :func:`geomesh_p2p.trust.admission.run_record_store_check` asks for it on run keys)
         self.pow_nonce = pow_nonce
         self.join_attempts, self.join_backoff_s = join_attempts, join_backoff_s
+        self.refused_window_s = refused_window_s
         self.routing_table = RoutingTable(self.node_id, k, depth_modulo)
         self.storage = DHTLocalStorage(maxsize=storage_size)
         self.ledger = StorageLedger(quota)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from geomesh_p2p.config.flags import file_value_problem
 from geomesh_p2p.model.presets import PRESETS
 
 __all__ = [
@@ -54,6 +55,38 @@ def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
+def _preset_kinds() -> dict[str, str]:
+    """The value kind (:func:`geomesh_p2p.config.flags.file_value_problem`'s) of each key a preset sets: ``int``,
+    ``number`` (a float of a preset), ``text``; ``bool`` for a switch."""
+    out: dict[str, str] = {}
+    for preset in PRESETS.values():
+        for k, v in preset.items():
+            if isinstance(v, bool):  # before int: a bool is an int to Python
+                out[k] = "bool"
+            elif isinstance(v, int):
+                out[k] = "int"
+            else:
+                out[k] = "number" if isinstance(v, float) else "text"
+    return out
+
+
+def _check_value_types(d: dict[str, Any], source: str) -> None:
+    """Refuse a value of ``d`` (a model config file's) whose type is not that of the same key in the presets
+    (``"n_layer": true`` was a 1-layer model, ``"n_embd": [128]`` a traceback in transformers); null passes (a
+    Hugging Face config's unset token id). Raises ConfigError naming ``source`` and the key."""
+    kinds = _preset_kinds()
+    for key, value in d.items():
+        kind = kinds.get(key)
+        if kind is None or value is None:
+            continue
+        if kind == "bool":
+            problem = None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+        else:
+            problem = file_value_problem(kind, value)
+        if problem is not None:
+            raise ConfigError(f"{source}: {key}: {problem}")
+
+
 def model_config(
     preset: str | None = "tiny", config_file: str | os.PathLike | None = None, vocab_size: int | None = None
 ):
@@ -74,6 +107,7 @@ def model_config(
     if config_file is not None:
         d = _read_config_file(config_file)
         source = f"model config file {Path(config_file).expanduser()}"
+        _check_value_types(d, source)
         if "preset" in d:
             name = d.pop("preset")
             if name not in PRESETS:

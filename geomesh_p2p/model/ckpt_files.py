@@ -8,9 +8,46 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.json$")
+
+#: The suffix of a checkpoint's weights file (``ckpt-NNNNNNNN.safetensors``).
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+class WeightsNameError(ValueError):
+    """A checkpoint record names a weights file outside its folder (an absolute path, ``../``, a subfolder) or one
+    that is no ``.safetensors`` file; the message says which name and why."""
+
+
+def weights_path(meta_path: Path, record: Mapping[str, Any]) -> Path:
+    """The weights file of the checkpoint whose JSON record ``record`` was read from ``meta_path``: its ``weights``
+    field (absent or null: the record's name with :data:`WEIGHTS_SUFFIX`), a file of the record's own folder.
+
+    Raises:
+        WeightsNameError: the field is no text, names a path (absolute, ``..``, a folder part, with ``/`` or ``\\``),
+            or a file without the suffix: a record could otherwise have a resume, ``checkpoints``, ``export`` or
+            ``generate`` read (and its size, ``stat``) any file of the machine as the weights.
+    """
+    name = record.get("weights")
+    if name is None:
+        name = meta_path.stem + WEIGHTS_SUFFIX
+    if not isinstance(name, str):
+        raise WeightsNameError(f"its weights file {_shown(name)} is not a file name")
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or Path(name).name != name:
+        raise WeightsNameError(
+            f"its weights file {_shown(name)} is not in the checkpoint's folder (a file name, without a folder part)"
+        )
+    if not name.endswith(WEIGHTS_SUFFIX) or name == WEIGHTS_SUFFIX:
+        raise WeightsNameError(f"its weights file {_shown(name)} is not a {WEIGHTS_SUFFIX} file")
+    return meta_path.parent / name
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...`` (a hand-edited record may hold a megabyte)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -39,7 +39,7 @@ from geomesh_p2p.model.state import (
     read_checkpoint_files,
     verify_checkpoint_digest,
 )
-from geomesh_p2p.model.ckpt_files import checkpoint_dir_problem
+from geomesh_p2p.model.ckpt_files import WeightsNameError, checkpoint_dir_problem, weights_path
 from geomesh_p2p.model.build import ConfigError, build_model, load_flat_, num_params
 from geomesh_p2p.util.errors import UserFacingError
 
@@ -98,7 +98,12 @@ def list_checkpoint_info(directory: str | os.PathLike, verify: bool = False) -> 
             row["problem"] = f"unreadable metadata ({wrong})"
             out.append(row)
             continue
-        weights = meta_path.parent / str(rec.get("weights", meta_path.stem + ".safetensors"))
+        try:
+            weights = weights_path(meta_path, rec)  # its own folder only: no stat of a file elsewhere
+        except WeightsNameError as e:
+            row["problem"] = f"unreadable metadata ({e})"
+            out.append(row)
+            continue
         row.update(
             round=rec.get("round", rnd),
             digest=rec.get("digest"),

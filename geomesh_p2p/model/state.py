@@ -24,6 +24,7 @@ import torch
 
 # which files are checkpoints: without torch there (the CLIs check a folder before torch's import)
 from geomesh_p2p.model.ckpt_files import list_checkpoints as list_checkpoints
+from geomesh_p2p.model.ckpt_files import weights_path
 from geomesh_p2p.model.inner_ckpt import remove_inner_state
 from geomesh_p2p.model.digest import DIGEST_ALGO, LEGACY_DIGEST_ALGO, SHA256_TREE_ALGO, legacy_digest, tree_digest
 from geomesh_p2p.util.atomic import atomic_write
@@ -150,7 +151,8 @@ def read_checkpoint_files(meta_path: Path) -> tuple[dict[str, Any], dict[str, to
     """Read one checkpoint's JSON record and its safetensors file: ``(record, tensors, weights path)``.
 
     Raises:
-        CheckpointError: one line naming the file: unreadable or foreign JSON, missing or corrupt weights.
+        CheckpointError: one line naming the file: unreadable or foreign JSON, a weights file named outside the
+            record's folder (:func:`~geomesh_p2p.model.ckpt_files.weights_path`), missing or corrupt weights.
     """
     from safetensors.torch import load_file
 
@@ -158,9 +160,9 @@ def read_checkpoint_files(meta_path: Path) -> tuple[dict[str, Any], dict[str, to
         record = json.loads(meta_path.read_text(encoding="utf-8"))
         if not isinstance(record, dict) or record.get("format") != CKPT_FORMAT:
             raise ValueError("not a geomesh checkpoint record")
+        wpath = weights_path(meta_path, record)  # its own folder only (WeightsNameError: a ValueError)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: {e}") from None
-    wpath = meta_path.parent / str(record.get("weights", meta_path.stem + ".safetensors"))
     try:
         tensors = load_file(str(wpath))
     except Exception as e:

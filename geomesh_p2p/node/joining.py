@@ -230,19 +230,23 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
     """Before the proof of work (tens of seconds for a new identity): one ping to each ``--bootstrap`` from a
     client-only transport that lives for this check only (:func:`~geomesh_p2p.dht.preflight.check_bootstraps`), so
     a bootstrap of another run (a wrong ``--run-id``) is named at once, not after the proof of work (a fresh user
-    waited 41 s for it). Any other outcome (an answer, no answer, another refusal) is left to the join, which
-    retries and words it. ``geomesh-peer join`` runs the same check earlier, before torch's import.
+    waited 41 s for it). Addresses that each refuse the connection (nothing listens there) are pinged again for up
+    to ``--join-attempts`` tries within :data:`~geomesh_p2p.dht.preflight.REFUSED_WINDOW_S` (a bootstrap that is
+    starting); any other outcome (an answer, no answer, another refusal) is left to the join, which retries and
+    words it. ``geomesh-peer join`` runs the same check earlier, before torch's import.
 
     When no bootstrap answered, one WARNING line names each address and why (:func:`unanswered_bootstraps_line`).
 
     Raises:
+        NothingListensError: nothing listened at any ``--bootstrap`` address during those tries, naming them.
         OtherRunError: no bootstrap answered, one said it serves another run, and every other failure is final
             (:func:`~geomesh_p2p.dht.join.final_failure`: one silent or not up yet is left to the join's retries).
     """
     addresses = list(node.cfg.bootstrap or [])
     if not addresses or node.run_cfg.pow_bits <= 0:  # no proof of work: the join itself comes at once
         return
-    line = await check_bootstraps(node.identity, node.run_cfg.run_id, addresses, tls, timeout_s)
+    attempts = node.cfg.join_attempts
+    line = await check_bootstraps(node.identity, node.run_cfg.run_id, addresses, tls, timeout_s, attempts)
     if line is not None:
         # said now, before the proof of work (a wrong address was reported ~50 s later, after it and the retries)
         log.warning(line)

@@ -43,7 +43,7 @@ from geomesh_p2p.model.ranks import NoData, RankedTrainer
 from geomesh_p2p.node.training import trainer_kwargs
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.util.errors import UserFacingError
-from geomesh_p2p.util.exit_gc import skip_exit_collections
+from geomesh_p2p.util.exit_gc import arm_startup_freeze, freeze_startup_heap, skip_exit_collections
 
 log = logging.getLogger("geomesh_p2p.node.ranks")
 
@@ -394,6 +394,9 @@ def run_follower(spec: FollowerSpec, build: Callable[..., torch.nn.Module] = bui
             spec.device,
             ", the model sharded (FSDP2)" if channel.setup_shard else "",
         )
+        # as rank 0 once its model is built (PeerNode.start): the steps' full collections skip the start's objects
+        # (a pass over them holds every rank's step, the all-reduce waits for the slowest); when armed only
+        freeze_startup_heap()
         return trainer.follow()
     except RankFailure as e:
         channel.broken = str(e)
@@ -424,6 +427,7 @@ def worker_main() -> int:
     # as rank 0's geomesh-peer: no full GC passes over torch's and transformers' objects at exit, which rank 0's
     # close() waits for (docs/exit-lag.md: 6-7 s at load 13, up to EXIT_WAIT_S and a SIGTERM under more)
     skip_exit_collections()
+    arm_startup_freeze()  # always its own process (started by LocalRanks), never a test's
     spec = FollowerSpec(**json.loads(os.environ[SPEC_ENV]))
     # Ctrl+C in a terminal reaches every process of the group: rank 0 alone decides (it finishes its round's
     # exchange, which needs no follower, then tells them to exit); a follower never outlives it (_watch_parent).

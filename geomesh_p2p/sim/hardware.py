@@ -60,7 +60,9 @@ class ProfileError(UserFacingError, ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict: a profile's value of the wrong type is refused, naming the field (true was taken for 1 and "8" for 8.0;
+    # an int is still a float); unknown fields too
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class ReferenceSpec(_Strict):

@@ -41,7 +41,8 @@ kind                         where                            fields
                                                               was_tokens_per_s, announced_tokens_per_s
 ``digest_mismatch``          round.finish.check_digest        peer, round, digest, majority_digest,
                                                               agree, total, behind
-``dht_join_retry``           dht.join.DHTJoin.join            peer, attempt, attempts, wait_s
+``dht_join_retry``           dht.join.DHTJoin.join,           peer, attempt, attempts, wait_s
+                             dht.preflight.check_bootstraps
 ``early_steps_discarded``    round.planning.discard_early     peer, round, started_leader,
                                                               followed_leader (None: no plan)
 ``empty_swarm``              node._on_empty_swarm             peer, run_id, round, bootstrap, peers,

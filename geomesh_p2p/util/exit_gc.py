@@ -52,7 +52,8 @@ def arm_startup_freeze() -> None:
 
 
 def freeze_startup_heap() -> bool:
-    """Once the node's model and training are built (:meth:`PeerNode.start`): collect, then move every object alive into the permanent generation (``gc.freeze``),
+    """Once the node's model and training are built (:meth:`PeerNode.start`; a follower rank's, ``run_follower``; the
+    bootstrap's imports and servers, ``geomesh-bootstrap``'s ``_serve``): collect, then move every object alive into the permanent generation (``gc.freeze``),
     so that the run's full collections skip the ~418,000 objects of the imports and the model (234 ms each on this
     machine, holding the GIL: an event-loop stall whenever one ran; issue 27). Objects made later are collected as
     before; what the start made and drops later through a reference cycle is not (refcounting still frees the

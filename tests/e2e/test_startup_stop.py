@@ -73,8 +73,12 @@ def test_a_busy_metrics_port_is_one_line_before_the_dht_join(swarm):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_one_line_before_the_dht_join(swarm):
-    with dead_address() as dead:  # nothing listens there: had the join come first, it would fail after its retries
-        swarm.peer("c0", "--device", "cuda", bootstrap=dead)
+    # A bootstrap that accepts TCP and never answers: had the join come first, it would fail after its retries (one
+    # where nothing listens fails before torch's import now: session 44)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        swarm.peer("c0", "--device", "cuda", bootstrap=f"127.0.0.1:{silent.getsockname()[1]}")
         text = _one_line_failure(swarm, "c0")
     assert swarm.procs["c0"].returncode == 2  # a flag this machine cannot serve: as for a bad flag
     lines = _after_start(text)

@@ -97,14 +97,40 @@ async def test_a_wrong_run_id_is_refused_before_torch(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no key made for a start refused this early
 
 
-async def test_no_bootstrap_answering_is_one_warning_before_torch(tmp_path):
+async def test_an_address_nothing_listens_at_fails_before_torch(tmp_path):
+    """Nothing listens at --bootstrap (each connection refused): retried --join-attempts times (a line each), then
+    one error naming the address, before torch (it failed after torch, the model and the proof of work: 63-76 s)."""
     with dead_address() as dead:
-        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", dead))
+        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", dead, "--join-attempts", "2"))
+    assert rc == 1, err
+    assert "imported at the ping: []" in err, err
+    assert [x.split(" ", 1)[1] for x in err if x[8:11] in (" I ", " W ")] == [
+        f"I geomesh_p2p.dht.node: no answer from {dead} (connection refused); retrying in 0.5 s (attempt 1 of 2)"
+    ], err
+    errors = [x for x in err if x.startswith("geomesh-peer")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"geomesh-peer join: could not join the DHT: nothing listens at {dead} (connection refused at each of 2 "
+        "attempt(s) in "
+    ), err
+    assert errors[0].endswith(" s): check the --bootstrap address and port, and that the bootstrap runs"), err
+    assert list(tmp_path.iterdir()) == []  # no key made for a start refused this early
+
+
+async def test_a_silent_bootstrap_is_one_warning_before_torch(tmp_path):
+    """A bootstrap that accepts TCP and never answers may be slow or far: one WARNING, and the join retries it."""
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)  # accepts (the kernel's backlog), never reads nor answers
+    silent = f"127.0.0.1:{hang.getsockname()[1]}"
+    try:
+        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", silent))
+    finally:
+        hang.close()
     assert rc == 7, err
     assert "imported at the ping: []" in err, err
     warnings = [x.split(" ", 1)[1] for x in err if x[8:11] == " W "]
     assert warnings == [
-        f"W geomesh_p2p.node.peer: --bootstrap {dead}: no answer (connection refused); check the address and that "
+        f"W geomesh_p2p.node.peer: --bootstrap {silent}: no answer (timed out); check the address and that "
         "the bootstrap runs (the join tries again after the proof of work, with retries while a bootstrap may be "
         "restarting)"
     ], err
@@ -135,10 +161,12 @@ async def test_the_ping_is_signed_with_the_identity_file_when_it_exists(tmp_path
 
 
 async def test_the_node_does_not_ping_again_after_the_cli(caplog):
+    from geomesh_p2p.dht.preflight import NothingListensError
+
     caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer")
     with dead_address() as dead:
         node = SimpleNamespace(
-            cfg=NodeConfig(bootstrap=[dead], host="127.0.0.1", port=0),
+            cfg=NodeConfig(bootstrap=[dead], host="127.0.0.1", port=0, join_attempts=1),
             run_cfg=RunConfig(seq_len=32, run_id="run-b", pow_bits=40),
             identity=Identity.generate(),
             bootstraps_pinged=True,
@@ -146,10 +174,8 @@ async def test_the_node_does_not_ping_again_after_the_cli(caplog):
         await asyncio.wait_for(joining.check_before_proof_of_work(node, None), 20)
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
         node.bootstraps_pinged = False  # a node started by other code (the simulator, tests) pings itself
-        await asyncio.wait_for(joining.check_before_proof_of_work(node, None), 20)
-    assert [r.getMessage()[:60] for r in caplog.records if r.levelno >= logging.WARNING] == [
-        f"--bootstrap {dead}: no answer (connection refused); check the address"[:60]
-    ]
+        with pytest.raises(NothingListensError, match=f"^could not join the DHT: nothing listens at {dead} "):
+            await asyncio.wait_for(joining.check_before_proof_of_work(node, None), 20)
 
 
 async def test_a_busy_bootstrap_port_is_refused_before_torch(tmp_path):

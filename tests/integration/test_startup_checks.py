@@ -102,11 +102,17 @@ def _node(bootstrap: list[str]) -> SimpleNamespace:
 
 async def test_no_bootstrap_answering_is_one_warning_naming_the_flag_and_why(caplog):
     caplog.set_level(logging.INFO, logger="geomesh_p2p.node.peer")
-    with dead_address() as dead:
-        await asyncio.wait_for(joining.check_bootstrap_run(_node([dead]), None, 2.0), 20)  # not raised: retried later
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)  # accepts, never answers: silent, not refused (a refused one is retried, then fails)
+    silent = f"127.0.0.1:{hang.getsockname()[1]}"
+    try:
+        await asyncio.wait_for(joining.check_bootstrap_run(_node([silent]), None, 1.0), 20)  # not raised: retried later
+    finally:
+        hang.close()
     lines = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in lines] == [
-        f"--bootstrap {dead}: no answer (connection refused); check the address and that the bootstrap runs (the "
+        f"--bootstrap {silent}: no answer (timed out); check the address and that the bootstrap runs (the "
         "join tries again after the proof of work, with retries while a bootstrap may be restarting)"
     ]
 

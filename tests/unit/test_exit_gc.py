@@ -80,3 +80,66 @@ def test_other_process_entry_points_register_the_freeze(monkeypatch, capsys, ent
     assert entry(monkeypatch) == status
     capsys.readouterr()
     assert registered == [exit_gc.freeze_heap]
+
+
+def test_a_self_started_follower_rank_arms_the_start_up_freeze(monkeypatch, capsys):
+    """A follower rank started by ``LocalRanks`` is always its own process: it freezes its start-up heap once its
+    model is built (session 44: only rank 0, the node's process, did)."""
+    monkeypatch.setattr(exit_gc, "_installed", False)
+    monkeypatch.setattr(exit_gc.atexit, "register", lambda f: None)
+    monkeypatch.setattr(exit_gc, "_armed", False)
+    assert _follower_main(monkeypatch) == 7
+    assert exit_gc._armed is True
+
+
+def test_a_follower_rank_freezes_once_its_model_and_trainer_are_built(monkeypatch):
+    """:func:`ranks.run_follower` freezes after the model and its trainer are built, before it follows rank 0's
+    steps (a full collection over the start's objects holds its step, and every rank's all-reduce waits for it);
+    only when armed (never in a test that calls it)."""
+    import gc
+
+    import torch
+
+    from geomesh_p2p.config.models import RunConfig
+
+    frozen: list = []
+    did: list = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(gc.get_count()))
+    monkeypatch.setattr(exit_gc, "_armed", False)
+
+    class Channel:
+        setup_shard = False
+
+        def wait_setup(self) -> int:
+            return 64
+
+        def close(self, exit_followers: bool) -> None:
+            did.append("close")
+
+    class Trainer:
+        def __init__(self, model, *args, **kwargs):
+            did.append("trainer")
+
+        def follow(self) -> int:
+            did.append(("follow", len(frozen)))
+            return 0
+
+    monkeypatch.setattr(ranks.RankChannel, "init", staticmethod(lambda *a, **k: Channel()))
+    monkeypatch.setattr(ranks, "RankedTrainer", Trainer)
+    monkeypatch.setattr(ranks, "trainer_kwargs", lambda run, cfg: {})
+    spec = ranks.FollowerSpec(
+        rank=1, world=2, device="cpu", init_method="file:///nowhere", timeout_s=1.0, run=RunConfig().model_dump(),
+        model_config_file=None, threads=None, speed_factor=1.0, amp=False,
+    )  # fmt: skip
+
+    def build(*args, **kwargs):
+        did.append("model")
+        return torch.nn.Linear(2, 2)
+
+    assert ranks.run_follower(spec, build) == 0  # not armed: a test's call never freezes
+    assert frozen == [] and did == ["model", "trainer", ("follow", 0), "close"]
+    did.clear()
+    exit_gc.arm_startup_freeze()
+    assert ranks.run_follower(spec, build) == 0
+    assert len(frozen) == 1 and did == ["model", "trainer", ("follow", 1), "close"]
+    assert exit_gc._armed is False  # once

@@ -1,0 +1,80 @@
+"""A checkpoint record (``ckpt-NNNNNNNN.json``) names its weights file; that name is confined to the record's folder
+(session 44: an absolute path or ``../`` was read as the weights, on ``--resume``, ``checkpoints``, ``export`` and
+``generate``, and its size was ``stat``-ed). Each such name is refused naming the record, the name and why; a plain
+name of the folder (and the default, absent or null) still loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from geomesh_p2p.model.export import ExportError, list_checkpoint_info, load_checkpoint
+from geomesh_p2p.model.state import CheckpointError, load_latest_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _checkpoint(tmp_path):
+    """A real checkpoint of round 3 in ``tmp_path/ck`` and a sound copy of its weights outside that folder:
+    (its record's path, the outside copy)."""
+    ck = tmp_path / "ck"
+    meta = save_checkpoint(ck, round=3, theta=torch.arange(8, dtype=torch.float32), momentum=None)
+    outside = tmp_path / "elsewhere" / "stolen.safetensors"
+    outside.parent.mkdir()
+    shutil.copy(ck / "ckpt-00000003.safetensors", outside)
+    return meta, outside
+
+
+def _name_weights(meta, name) -> None:
+    rec = json.loads(meta.read_text())
+    rec["weights"] = name
+    meta.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("OUTSIDE", "is not in the checkpoint's folder (a file name, without a folder part)"),
+        ("../elsewhere/stolen.safetensors", "is not in the checkpoint's folder (a file name, without a folder part)"),
+        ("sub/ckpt-00000003.safetensors", "is not in the checkpoint's folder (a file name, without a folder part)"),
+        ("..", "is not in the checkpoint's folder (a file name, without a folder part)"),
+        ("ckpt-00000003.json", "is not a .safetensors file"),
+        (5, "is not a file name"),
+    ],
+)
+def test_a_weights_name_outside_the_folder_is_refused_naming_it(tmp_path, name, why):
+    meta, outside = _checkpoint(tmp_path)
+    name = str(outside) if name == "OUTSIDE" else name
+    _name_weights(meta, name)
+    want = f"corrupt checkpoint metadata {meta}: its weights file {name!r} {why}"
+    with pytest.raises(CheckpointError) as ei:  # --resume
+        load_latest_checkpoint(meta.parent)
+    assert str(ei.value) == want
+    with pytest.raises(ExportError) as ei:  # export, generate, checkpoints --verify
+        load_checkpoint(meta.parent, 3)
+    assert str(ei.value) == want
+    (row,) = list_checkpoint_info(meta.parent)  # checkpoints: no stat of the named file
+    # a name that is no text is the listing's field check's (red team 43)
+    listed = "weights 5 is not str" if name == 5 else f"its weights file {name!r} {why}"
+    assert row["problem"] == f"unreadable metadata ({listed})" and row["bytes"] is None
+
+
+@pytest.mark.parametrize("name", ["ckpt-00000003.safetensors", None, "ABSENT"])
+def test_a_weights_name_of_the_folder_loads(tmp_path, name):
+    meta, _ = _checkpoint(tmp_path)
+    if name == "ABSENT":
+        rec = json.loads(meta.read_text())
+        del rec["weights"]
+        meta.write_text(json.dumps(rec))
+    else:
+        _name_weights(meta, name)
+    rnd, theta, momentum, _ = load_latest_checkpoint(meta.parent)
+    assert rnd == 3 and theta.tolist() == [float(i) for i in range(8)] and momentum is None
+    assert load_checkpoint(meta.parent, 3)[0] == 3
+    (row,) = list_checkpoint_info(meta.parent, verify=True)
+    assert row["problem"] is None and row["bytes"] == (meta.parent / "ckpt-00000003.safetensors").stat().st_size + (
+        meta.stat().st_size
+    )
