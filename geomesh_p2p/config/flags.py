@@ -19,6 +19,7 @@ Only argparse, json, math, yaml and pydantic are imported here, so ``--help`` st
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -692,12 +693,24 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest not in actions or dest in ("help", "config"):
-            raise ConfigFileError(f"config file {p}: unknown option {key!r}")
+            raise ConfigFileError(f"config file {p}: unknown option {key!r}{_key_hint(str(key), actions)}")
         action = actions[dest]
         if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
             value = [value]  # a repeatable flag given once: `bootstrap: host:port`
         out[dest] = _checked(p, key, action, value)
     return out
+
+
+def _key_hint(key: str, actions: dict) -> str:
+    """What a config file's unknown ``key`` probably meant, as argparse says it of a mistyped flag (fresh-user trial
+    44: ``bootstrp:`` got no hint, ``--run-id:`` none that the dashes go): ``" (write it without the dashes:
+    run-id)"``, ``" (did you mean bootstrap?)"`` or ""."""
+    known = sorted(d.replace("_", "-") for d in actions if d not in ("help", "config"))
+    bare = key.lstrip("-")
+    if bare != key and bare.replace("_", "-") in known:
+        return f" (write it without the dashes: {bare})"
+    near = difflib.get_close_matches(bare.replace("_", "-"), known, n=1, cutoff=0.75)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def _checked(path: Path, key, action: argparse.Action, value):

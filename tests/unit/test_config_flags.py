@@ -164,7 +164,11 @@ def test_bootstrap_flag_beats_config_file_beats_default(tmp_path):
 @pytest.mark.parametrize(
     "text, expect",
     [
-        ("windw-s: 3\n", "unknown option 'windw-s'"),
+        ("windw-s: 3\n", "unknown option 'windw-s' (did you mean window-s?)"),
+        ("bootstrp: 127.0.0.1:1\n", "unknown option 'bootstrp' (did you mean bootstrap?)"),  # fresh user 44
+        ("--run-id: r\n", "unknown option '--run-id' (write it without the dashes: run-id)"),
+        ("--run_id: r\n", "unknown option '--run_id' (write it without the dashes: run_id)"),
+        ("zzz-qqq: 1\n", "unknown option 'zzz-qqq'"),  # nothing near: no hint
         ("window-s: -1\n", "window-s: must be a finite number > 0, got -1"),
         ("method: sgd\n", "method: 'sgd' is not one of geomesh, awb, css, diloco, ddp"),
         ("vocab_size: 12\n", "vocab_size: must be >= 257, got 12"),
@@ -313,3 +317,19 @@ def test_a_config_file_under_home_is_read_and_of_nobody_refused(tmp_path, monkey
     assert load_config_defaults(sub, "~/peer.yaml")["seed"] == 7
     with pytest.raises(ConfigFileError, match=r"^--config ~nosuchuser43/p.yaml: no user 'nosuchuser43'"):
         load_config_defaults(sub, "~nosuchuser43/p.yaml")
+
+
+def test_the_readmes_example_config_file_is_read_as_it_says(tmp_path):
+    """The README's example ``peer.yaml`` (fresh-user trial 44: no example file) parses to the flags it names."""
+    from pathlib import Path
+
+    from peer.cli import build_parser, parse, with_config_file
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text("\n".join(line.strip() for line in block.splitlines()))
+    parser, argv = build_parser(), ["join", "--config", str(cfg)]
+    ns = with_config_file(parser, parse(parser, argv), argv)
+    got = (ns.bootstrap, ns.run_id, ns.identity, ns.checkpoint_dir, ns.threads, ns.log_json)
+    assert got == (["127.0.0.1:31337"], "R", "p1.key", "ckpt1", 1, "p1.jsonl")
