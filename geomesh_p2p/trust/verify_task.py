@@ -38,6 +38,8 @@ __all__ = [
     "screeners_of",
     "derive_screen",
     "reference_task",
+    "borrowed_references",
+    "BORROWED_REFERENCES",
 ]
 
 
@@ -505,6 +507,47 @@ def reference_task(
         element_seed=_u64(sub) & ((1 << 63) - 1),
         full_test=False,
     )
+
+
+#: Other contributions of its round a screener that sent none of its own measures as the power reference
+#: (:func:`borrowed_references`); the test has power only where every one of them shows it (their lowest counts).
+BORROWED_REFERENCES = 2
+
+
+def borrowed_references(
+    cfg: VerifyConfig,
+    task: "VerifyTask",
+    *,
+    plan,
+    packets: Mapping[str, Mapping[int, Any]],
+    checker: str,
+    n: int = BORROWED_REFERENCES,
+) -> list["VerifyTask"]:
+    """The power references of a ``checker`` with no contribution of its own in ``task``'s round (session 44): the
+    :func:`reference_task` of ``n`` other contributors (neither the accused nor the checker) whose contributions it
+    holds as sign packets in every part of ``task`` (accountable mode: fetched), drawn in an order from the task's
+    element seed, their batches too (a screen's seed follows from the round's contributions: unknown while they
+    trained, and the same at every screener of the accused). [] when fewer than ``n`` are held: then the test has
+    no power here, as before. Why ``n`` >= 2 and every one must show power (``gain_stages.staged_gain``): the
+    lowest of them is at most an honest contribution's t of the round unless all ``n`` are hostile, so a colluder
+    cannot inflate the reference alone. Pure."""
+    if n < 1:
+        return []
+    key = task.element_seed.to_bytes(8, "little") + b"borrowed\x00"
+    out = []
+    for peer in sorted(packets, key=lambda p: hashlib.sha256(key + p.encode()).digest()):
+        held = packets.get(peer) or {}
+        if peer in (checker, task.accused) or not all(
+            isinstance(held.get(j), compression.SignPacket) for j in task.parts
+        ):
+            continue
+        rt = reference_task(cfg, task, plan=plan, packets=packets, checker=peer)
+        if rt is not None:
+            sub = hashlib.sha256(key + peer.encode()).digest()
+            out.append(dataclasses.replace(rt, verifier=checker, element_seed=_u64(sub) & ((1 << 63) - 1)))
+        if len(out) == n:
+            return out
+    return []
 
 
 def gain_order(task: "VerifyTask", n: int) -> tuple[int, ...]:
