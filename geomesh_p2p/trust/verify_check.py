@@ -567,6 +567,12 @@ def judge_screen(
     head = f"screening (loss gain alone): {task.steps_done} steps{stage}"
     note = _reference_note(reference, borrowed)
     if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference, _tokens(task), power):
+        if _tokens(task) < cfg.gain_min_tokens:  # the floor, whatever the reference (session 44: logs read "no power")
+            return Verdict(
+                PASS,
+                f"inconclusive: gain t {gain.t:.2f}, but its {_tokens(task)} tokens are under the test's floor "
+                f"({cfg.gain_min_tokens}; {head})",
+            )
         own = "no contribution of its own"
         if reference is not None:
             own = note[2:] if borrowed else f"this checker's own contribution t {reference.t:.2f}"

@@ -100,8 +100,9 @@ class VerifyConfig:
             rounds an honest update is mostly what any text teaches (a freshly initialised model learns the
             token statistics first), so honest contributions measured t 0.8-1.25 there (seq_len 128, 33-42
             steps: ``benchmarks/multi_rank.py``, session 17) and were excluded as "not trained on its batches";
-            without a reference (the checker sent nothing that round) the gain test decides nothing. 2.5: about
-            1.8 standard deviations of the difference of two unit-variance t's.
+            without a reference (the checker sent nothing that round) a check's gain test decides nothing, and a
+            screen's borrows 2 other contributions of the round (:func:`borrowed_references`, session 44: power
+            only when both show it). 2.5: about 1.8 standard deviations of the difference of two unit-variance t's.
         gain_min_tokens: the gain test decides nothing on a contribution trained on fewer tokens (steps x batch x
             seq_len): its row-level t has too little power there (session 35: honest 5-step contributions at batch
             4 x 32 failed in 10-18% of draws, 14-step ones, 1,792 tokens, never; ``benchmarks/gain_parts.py``).
