@@ -97,7 +97,8 @@ def halves(order: Sequence[int], m: int) -> tuple[list[int], list[int], list[int
 class Staged:
     """What decided a staged screen: ``gain`` (the half's when a half decided, else the whole test's; ``passes``:
     every forward pass of the screen, the reference's included), the power ``reference`` measured (half or whole,
-    None when not needed), ``power`` (the gap as the stages decided it; None: compare ``reference``'s t as
+    None when not needed; of borrowed references the one that decided: the first without power, else the lowest),
+    ``power`` (the gap as the stages decided it; None: compare ``reference``'s t as
     :func:`~geomesh_p2p.trust.verify_check.gain_decides` does) and ``stage`` (the verdict's note; "" for none)."""
 
     gain: GainStats
@@ -115,6 +116,7 @@ def staged_gain(
     cache: Optional[dict],
     *,
     tokens: int,
+    borrowed: Sequence[VerifyTask] = (),
 ) -> Staged:
     """A screen's loss-gain test in two stages (module docstring): the first half of the drawn batches against the
     first half of the controls; a half's t at or above ``gain_t_min``'s stage bound passes; one below
@@ -124,8 +126,14 @@ def staged_gain(
     screen, to the bit), then, below ``gain_t_min``, the reference a half at a time. Forward passes: ``2 x (k/2 +
     m/2)`` for a half that passes (``k + m/2`` with the controls cached), ``k + m/2`` more for the reference's
     half; a screen no half decides costs what an unstaged one does. ``cache``: the round's (control losses, the
-    reference's half and whole). Raises what ``rows`` raises."""
+    reference's half and whole).
+
+    ``borrowed`` (``rt`` None: the checker sent nothing, session 44; :func:`~.verify_task.borrowed_references`):
+    other contributions of the round, each measured as ``rt`` would be; the test has power only when every one of
+    them shows it (each on its own bound, stopping at the first that does not), never otherwise. Raises what
+    ``rows`` raises."""
     kappa = cfg.gain_stage_kappa
+    refs = [rt] if rt is not None else list(borrowed)
     order = gain_order(task, cfg.gain_assigned)
     s1, s2, c1, c2 = halves(order, cfg.gain_controls)
     mine = packets[task.accused]
@@ -135,37 +143,77 @@ def staged_gain(
     note = f"; decided on half its batches ({len(s1)} of {len(order)}, {len(c1)} of {cfg.gain_controls} controls)"
     if half.t >= stage_bounds(cfg.gain_t_min, kappa)[1]:
         return Staged(half, stage=note)
-    ref_half: Optional[GainStats] = None
-    ref_steps = _reference_steps(cfg, rt) if rt is not None else None
+    ref_halves: dict[int, GainStats] = {}  # index in refs -> its first half, measured once
+    ref_steps = [_reference_steps(cfg, r) for r in refs]
     fails = half.t < stage_bounds(cfg.gain_t_hard, kappa)[0] and tokens >= cfg.gain_min_tokens
-    if rt is not None and ref_steps is not None and fails:
-        ref_half = _reference_half(rt, packets, rows, ref_steps[0], c1, cache)
-        passes += ref_half.passes
-        s = _scale(half.steps, ref_half.steps)
-        if s * ref_half.t - half.t >= stage_bounds(cfg.gain_t_gap, kappa, math.sqrt(1.0 + s * s))[1]:
-            return Staged(dataclasses.replace(half, passes=passes), ref_half, True, note)  # both halves decide
+    firsts = [st[0] for st in ref_steps if st is not None]
+    if refs and len(firsts) == len(refs) and fails:
+        early = []
+        for i, r in enumerate(refs):
+            ref_halves[i] = _reference_half(r, packets, rows, firsts[i], c1, cache)
+            passes += ref_halves[i].passes
+            s = _scale(half.steps, ref_halves[i].steps)
+            if s * ref_halves[i].t - half.t < stage_bounds(cfg.gain_t_gap, kappa, math.sqrt(1.0 + s * s))[1]:
+                break
+            early.append(ref_halves[i])
+        if len(early) == len(refs):  # both halves decide (every reference's, when borrowed)
+            low = min(early, key=lambda g: _scale(half.steps, g.steps) * g.t)
+            return Staged(dataclasses.replace(half, passes=passes), low, True, note + _borrowed_note(borrowed, rt))
     more, extra = rows(task, mine, s2, c2)
     passes += extra
     by_step = dict(zip(s1 + s2, got[: len(s1)] + more[: len(s2)]))
     whole = gain_of([by_step[j] for j in sorted(order)], got[len(s1) :] + more[len(s2) :], steps=steps)
-    if whole.t >= cfg.gain_t_min or rt is None:
+    if whole.t >= cfg.gain_t_min or not refs:
         return Staged(dataclasses.replace(whole, passes=passes))
-    if ref_steps is None:  # a reference of an odd number of batches: measured whole, as unstaged
-        reference = _reference_whole(
-            rt, packets, rows, (sorted(gain_order(rt, cfg.gain_assigned)), []), c1 + c2, [], cache
+    decided: list[tuple[GainStats, bool, bool]] = []  # (the reference's test, power, decided on its half)
+    for i, r in enumerate(refs):
+        ref, p, on_half, extra = _power(cfg, r, ref_steps[i], ref_halves.get(i), whole, packets, rows, c1, c2, cache)
+        passes += extra
+        decided.append((ref, p, on_half))
+        if not p:
+            break
+    whole = dataclasses.replace(whole, passes=passes)
+    if rt is None:  # borrowed: power only when every reference shows it
+        power = len(decided) == len(refs) and all(p for _, p, _ in decided)
+        ref = (
+            decided[-1][0]
+            if not power
+            else min((g for g, _, _ in decided), key=lambda g: _scale(whole.steps, g.steps) * g.t)
         )
-        return Staged(dataclasses.replace(whole, passes=passes + reference.passes), reference)
+        return Staged(whole, ref, power, _borrowed_note(borrowed, rt))
+    ref, p, on_half = decided[0]
+    own = ref_steps[0]
+    if on_half and own is not None:  # the reference's half decided the gap on its own
+        n = len(own[0])
+        return Staged(whole, ref, p, f"; power decided on half its own batches ({n} of {n + len(own[1])})")
+    return Staged(whole, ref)
+
+
+def _power(cfg, rt: VerifyTask, steps_, ref_half, whole: GainStats, packets, rows: RowsFn, c1, c2, cache):
+    """``(the reference's test, whether it shows power against ``whole``, decided on its half, passes run)``: its
+    half decides beyond the stage bounds of ``(whole.t + gain_t_gap) / s``, else its whole test (``gain_decides``'
+    rule); a reference of an odd number of batches (``steps_`` None) is measured whole, as unstaged."""
+    gap = cfg.gain_t_gap
+    if steps_ is None:
+        ref = _reference_whole(rt, packets, rows, (sorted(gain_order(rt, cfg.gain_assigned)), []), c1 + c2, [], cache)
+        return ref, _scale(whole.steps, ref.steps) * ref.t >= whole.t + gap, False, ref.passes
+    passes = 0
     if ref_half is None:
-        ref_half = _reference_half(rt, packets, rows, ref_steps[0], c1, cache)
-        passes += ref_half.passes
+        ref_half = _reference_half(rt, packets, rows, steps_[0], c1, cache)
+        passes = ref_half.passes
     s = _scale(whole.steps, ref_half.steps)
-    lo, hi = stage_bounds((whole.t + cfg.gain_t_gap) / s, kappa)
-    if ref_half.t >= hi or ref_half.t < lo:  # the reference's half decides the gap on its own
-        n = len(ref_steps[0])
-        note = f"; power decided on half its own batches ({n} of {n + len(ref_steps[1])})"
-        return Staged(dataclasses.replace(whole, passes=passes), ref_half, ref_half.t >= hi, note)
-    reference = _reference_whole(rt, packets, rows, ref_steps, c1, c2, cache)
-    return Staged(dataclasses.replace(whole, passes=passes + reference.passes), reference)
+    lo, hi = stage_bounds((whole.t + gap) / s, cfg.gain_stage_kappa)
+    if ref_half.t >= hi or ref_half.t < lo:
+        return ref_half, ref_half.t >= hi, True, passes
+    ref = _reference_whole(rt, packets, rows, steps_, c1, c2, cache)
+    return ref, s * ref.t >= whole.t + gap, False, passes + ref.passes
+
+
+def _borrowed_note(borrowed: Sequence[VerifyTask], rt: Optional[VerifyTask]) -> str:
+    """The verdict's note on borrowed references ("" for the checker's own)."""
+    if rt is not None or not borrowed:
+        return ""
+    return f"; power from {len(borrowed)} other contributions of the round (this checker sent none)"
 
 
 def _scale(steps: int, ref_steps: int) -> float:
@@ -185,7 +233,7 @@ def _reference_steps(cfg: VerifyConfig, rt: VerifyTask) -> Optional[tuple[list[i
 
 def _ref_key(rt: VerifyTask) -> tuple:
     """``verify_check.reference_gain``'s cache key of ``rt`` (a whole reference measured either way is shared)."""
-    return ("reference", rt.round, rt.accused, rt.parts, rt.batch_size, rt.seq_len)
+    return ("reference", rt.round, rt.accused, rt.parts, rt.batch_size, rt.seq_len, rt.element_seed)
 
 
 def _reference_half(rt: VerifyTask, packets, rows: RowsFn, steps, controls, cache: Optional[dict]) -> GainStats:

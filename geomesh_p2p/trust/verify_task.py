@@ -38,6 +38,8 @@ __all__ = [
     "screeners_of",
     "derive_screen",
     "reference_task",
+    "borrowed_references",
+    "BORROWED_REFERENCES",
 ]
 
 
@@ -98,8 +100,9 @@ class VerifyConfig:
             rounds an honest update is mostly what any text teaches (a freshly initialised model learns the
             token statistics first), so honest contributions measured t 0.8-1.25 there (seq_len 128, 33-42
             steps: ``benchmarks/multi_rank.py``, session 17) and were excluded as "not trained on its batches";
-            without a reference (the checker sent nothing that round) the gain test decides nothing. 2.5: about
-            1.8 standard deviations of the difference of two unit-variance t's.
+            without a reference (the checker sent nothing that round) a check's gain test decides nothing, and a
+            screen's borrows 2 other contributions of the round (:func:`borrowed_references`, session 44: power
+            only when both show it). 2.5: about 1.8 standard deviations of the difference of two unit-variance t's.
         gain_min_tokens: the gain test decides nothing on a contribution trained on fewer tokens (steps x batch x
             seq_len): its row-level t has too little power there (session 35: honest 5-step contributions at batch
             4 x 32 failed in 10-18% of draws, 14-step ones, 1,792 tokens, never; ``benchmarks/gain_parts.py``).
@@ -505,6 +508,47 @@ def reference_task(
         element_seed=_u64(sub) & ((1 << 63) - 1),
         full_test=False,
     )
+
+
+#: Other contributions of its round a screener that sent none of its own measures as the power reference
+#: (:func:`borrowed_references`); the test has power only where every one of them shows it (their lowest counts).
+BORROWED_REFERENCES = 2
+
+
+def borrowed_references(
+    cfg: VerifyConfig,
+    task: "VerifyTask",
+    *,
+    plan,
+    packets: Mapping[str, Mapping[int, Any]],
+    checker: str,
+    n: int = BORROWED_REFERENCES,
+) -> list["VerifyTask"]:
+    """The power references of a ``checker`` with no contribution of its own in ``task``'s round (session 44): the
+    :func:`reference_task` of ``n`` other contributors (neither the accused nor the checker) whose contributions it
+    holds as sign packets in every part of ``task`` (accountable mode: fetched), drawn in an order from the task's
+    element seed, their batches too (a screen's seed follows from the round's contributions: unknown while they
+    trained, and the same at every screener of the accused). [] when fewer than ``n`` are held: then the test has
+    no power here, as before. Why ``n`` >= 2 and every one must show power (``gain_stages.staged_gain``): the
+    lowest of them is at most an honest contribution's t of the round unless all ``n`` are hostile, so a colluder
+    cannot inflate the reference alone. Pure."""
+    if n < 1:
+        return []
+    key = task.element_seed.to_bytes(8, "little") + b"borrowed\x00"
+    out = []
+    for peer in sorted(packets, key=lambda p: hashlib.sha256(key + p.encode()).digest()):
+        held = packets.get(peer) or {}
+        if peer in (checker, task.accused) or not all(
+            isinstance(held.get(j), compression.SignPacket) for j in task.parts
+        ):
+            continue
+        rt = reference_task(cfg, task, plan=plan, packets=packets, checker=peer)
+        if rt is not None:
+            sub = hashlib.sha256(key + peer.encode()).digest()
+            out.append(dataclasses.replace(rt, verifier=checker, element_seed=_u64(sub) & ((1 << 63) - 1)))
+        if len(out) == n:
+            return out
+    return []
 
 
 def gain_order(task: "VerifyTask", n: int) -> tuple[int, ...]:
