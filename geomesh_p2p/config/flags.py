@@ -51,6 +51,7 @@ __all__ = [
     "capped",
     "takes",
     "comma_numbers",
+    "AppendOverDefault",
 ]
 
 _DEFAULT_MARK = " (default: %(default)s)"
@@ -499,7 +500,7 @@ def flag_specs(
                 kw.update(action="store_true", default=default)
         elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file", "device_list"):
             kw.update(
-                action=_AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
+                action=AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
             )
         else:
             if typing.get_origin(ann) is Literal:
@@ -540,7 +541,7 @@ def derived_fields(model: type[BaseModel]) -> dict[str, str]:
     return out
 
 
-class _AppendOverDefault(argparse._AppendAction):
+class AppendOverDefault(argparse._AppendAction):
     """argparse's ``append``, except that the first use on the command line replaces the default list (a
     config file's ``bootstrap: [...]``) instead of adding to it: the command line wins, as for every other
     flag (a fresh-user trial joined through a config file's bootstrap *and* the one given on the command
@@ -632,7 +633,7 @@ def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
             if getattr(s.kwargs.get("type"), "accepts_auto", False):
                 out += [s.flag, "auto"]  # None is the flag's "auto" (--window-s auto), not "unset"
             continue
-        elif action in ("append", _AppendOverDefault):
+        elif action in ("append", AppendOverDefault):
             for x in v:
                 out += [s.flag, str(x)]
         elif isinstance(v, list):
@@ -695,8 +696,8 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         if dest not in actions or dest in ("help", "config"):
             raise ConfigFileError(f"config file {p}: unknown option {key!r}{_key_hint(str(key), actions)}")
         action = actions[dest]
-        if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
-            value = [value]  # a repeatable flag given once: `bootstrap: host:port`
+        if isinstance(action, argparse._AppendAction) and not isinstance(value, (list, type(None))):
+            value = [value]  # a repeatable flag given once: `bootstrap: host:port` (null: as any flag's null)
         out[dest] = _checked(p, key, action, value)
     return out
 
@@ -746,7 +747,11 @@ def _checked(path: Path, key, action: argparse.Action, value):
         if not isinstance(value, bool):
             raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {_shown_value(value)}")
         return value
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) and value is not None:
+        if any(v is None for v in value):  # [null] was kept as an address: a TypeError later (red team 44)
+            raise ConfigFileError(
+                f"config file {path}: {key}: expected {_KIND_WORDS[value_kind(action)]}, got null in the list"
+            )
         return [one(v) for v in value]
     return one(value)
 
