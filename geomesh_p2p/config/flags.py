@@ -186,13 +186,31 @@ def file_value_problem(kind: str, value: Any) -> Optional[str]:
     check of :data:`_FILE_TYPES`), with how to quote a number or true/false given for text; None when it is."""
     try:
         _file_type(kind).validate_python(value, strict=True)
-        return None
+        return _unpaired_surrogate(kind, value)
     except ValidationError:
         pass
     hint = ""
     if kind in ("text", "text_list") and isinstance(value, (bool, int, float)):
         hint = f' (quote it: "{_shown_value(value).removeprefix("the number ")}")'
     return f"expected {_KIND_WORDS[kind]}, got {_shown_value(value)}{hint}"
+
+
+def _unpaired_surrogate(kind: str, value: Any) -> Optional[str]:
+    """Why a config file's text ``value`` (or a text of its list) cannot be used: a surrogate (JSON's and YAML's
+    ``"\\ud800"``) that is no byte of an undecodable file name (Python's ``\\udc80``-``\\udcff``, as on the command
+    line) encodes to nothing, so the path's mkdir or the log's open raised UnicodeEncodeError, a traceback (red team
+    44). None when every text encodes."""
+    for text in value if isinstance(value, list) else [value]:
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as e:
+            return (
+                f"expected {_KIND_WORDS[kind]}, got text with an unpaired surrogate ({text[e.start]!r} at character "
+                f"{e.start + 1}): write the character itself"
+            )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- flag types

@@ -78,3 +78,28 @@ def test_a_weights_name_of_the_folder_loads(tmp_path, name):
     assert row["problem"] is None and row["bytes"] == (meta.parent / "ckpt-00000003.safetensors").stat().st_size + (
         meta.stat().st_size
     )
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        # a lone surrogate (valid JSON: "\ud800"): no file name can hold it; `checkpoints` crashed on its stat with a
+        # UnicodeEncodeError traceback (red team 44)
+        ("\ud800.safetensors", "is not a file name this system can spell"),
+        # over NAME_MAX: the stat's ENAMETOOLONG read as "weights file ... is missing"
+        ("w" * 300 + ".safetensors", "is longer than a file name may be (255 bytes)"),
+    ],
+)
+def test_a_weights_name_no_file_can_have_is_refused_naming_it(tmp_path, capsys, name, why):
+    from peer.cli import main
+
+    meta, _ = _checkpoint(tmp_path)
+    _name_weights(meta, name)
+    shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:197] + "..."
+    with pytest.raises(CheckpointError) as ei:
+        load_latest_checkpoint(meta.parent)
+    assert str(ei.value) == f"corrupt checkpoint metadata {meta}: its weights file {shown} {why}"
+    (row,) = list_checkpoint_info(meta.parent)
+    assert row["problem"] == f"unreadable metadata (its weights file {shown} {why})" and row["bytes"] is None
+    assert main(["checkpoints", str(meta.parent)]) in (0, 1)  # a table with the problem, no traceback
+    assert "Traceback" not in capsys.readouterr().err

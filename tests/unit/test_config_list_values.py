@@ -1,7 +1,8 @@
 """Red team 44: a config file's list for a repeatable flag (``bootstrap:``). A null in it was taken as an address
 (``status`` then failed with a TypeError traceback on ``', '.join``), and ``status``'s ``--bootstrap`` on the command
 line was added to the file's list instead of replacing it (as ``join``'s does since a fresh-user trial), while the
-file's list alone was refused (``--bootstrap`` required on the command line)."""
+file's list alone was refused (``--bootstrap`` required on the command line). And a text value with an unpaired
+surrogate (JSON's ``"\\ud800"``) was taken, then raised UnicodeEncodeError where it was used as a path."""
 
 from __future__ import annotations
 
@@ -58,3 +59,42 @@ def test_status_without_any_bootstrap_exits_2_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "geomesh-peer status: --bootstrap HOST:PORT is required (on the command line, or bootstrap: in --config)"
     ]
+
+
+@pytest.mark.parametrize("key", ["checkpoint_dir", "log_json", "bootstrap"])
+@pytest.mark.parametrize("ext", ["json", "yaml"])
+def test_join_refuses_an_unpaired_surrogate_naming_the_key(tmp_path, capsys, key, ext):
+    """JSON's and YAML's ``"\\ud800"`` is a lone surrogate no file name, address or log line can hold: the folder's
+    mkdir or the log's open raised UnicodeEncodeError, a traceback (red team 44)."""
+    from peer.cli import main
+
+    cfg = tmp_path / f"peer.{ext}"
+    cfg.write_text('{"%s": "\\ud800x"}\n' % key)  # JSON is YAML too: the same escape
+    assert main(["join", "--config", str(cfg), "--identity", str(tmp_path / "id.key")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"geomesh-peer: config file {cfg}: {key}: expected text, got text with an unpaired surrogate ('\\ud800' at "
+        "character 1): write the character itself"
+    ]
+    assert not (tmp_path / "id.key").exists()
+
+
+def test_the_bootstrap_refuses_an_unpaired_surrogate_naming_the_key(tmp_path, capsys):
+    from bootstrap.cli import main
+
+    cfg = tmp_path / "b.json"
+    cfg.write_text('{"state_file": "a\\udfffb"}')
+    assert main(["--config", str(cfg)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"geomesh-bootstrap: config file {cfg}: state_file: expected text, got text with an unpaired surrogate "
+        "('\\udfff' at character 2): write the character itself"
+    ]
+
+
+def test_a_byte_argv_could_not_decode_is_still_the_flag_types(tmp_path):
+    """``\\udc80``-``\\udcff`` is how Python spells a byte of a non-UTF-8 file name (surrogateescape): a path may hold it,
+    as on the command line; the run id's own check words it."""
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"checkpoint_dir": "ck\\udcff", "run_id": "a\\udcff"}')
+    with pytest.raises(ConfigFileError) as ei:
+        load_config_defaults(_command("join"), str(cfg))
+    assert str(ei.value) == (f"config file {cfg}: run_id: is not UTF-8 text (character 2 is an undecodable byte)")
