@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 from pydantic import StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
 
@@ -75,6 +75,42 @@ def value_kind(action: argparse.Action) -> str:
     return "text"
 
 
+#: The most characters of a config file's value that an error shows.
+SHOWN_CHARS = 60
+
+_END = object()
+
+
+def _cut(text: str, limit: int = SHOWN_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_head(value: Any, limit: int) -> str:
+    """``json.dumps(value)`` (a nested mapping as ``{...}``) written up to a little over ``limit`` characters only: YAML's
+    aliases make a 500-byte file a list of 10**9 numbers, whose whole json.dumps never ended (red team 44)."""
+    out: list[str] = []
+    size = 0
+    stack: list[tuple[Iterator[Any], str]] = [(iter([value]), "")]
+    first = [True]
+    while stack and size <= limit:
+        item = next(stack[-1][0], _END)
+        if item is _END:
+            text = stack.pop()[1]
+            first.pop()
+        else:
+            text = "" if first[-1] else ", "
+            first[-1] = False
+            if isinstance(item, list):
+                stack.append((iter(item), "]"))
+                first.append(True)
+                text += "["
+            else:
+                text += "{...}" if isinstance(item, dict) else json.dumps(item, default=str)[: limit + 1]
+        out.append(text)
+        size += len(text)
+    return "".join(out)
+
+
 def shown_value(value: Any) -> str:
     """A config file's value as its error shows it, in YAML's words: ``the list [1]``, ``true``, ``null``, ``the
     number 5``, ``the text '5'``, ``a mapping``."""
@@ -85,10 +121,9 @@ def shown_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return f"the number {value}"
     if isinstance(value, str):
-        return f"the text {value!r}"
+        return f"the text {_cut(repr(value))}"
     if isinstance(value, list):
-        shown = json.dumps(value, default=str)  # as the file would write it: [1, true], not [1, True]
-        return f"the list {shown if len(shown) <= 60 else shown[:57] + '...'}"
+        return f"the list {_cut(_json_head(value, SHOWN_CHARS))}"  # as the file writes it: [1, true], not [1, True]
     if isinstance(value, dict):
         return "a mapping"
     return f"a {type(value).__name__}"

@@ -6,7 +6,10 @@ surrogate (JSON's ``"\\ud800"``) was taken, then raised UnicodeEncodeError where
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import yaml
 
 from geomesh_p2p.config.flags import ConfigFileError, load_config_defaults
 
@@ -98,3 +101,32 @@ def test_a_byte_argv_could_not_decode_is_still_the_flag_types(tmp_path):
     with pytest.raises(ConfigFileError) as ei:
         load_config_defaults(_command("join"), str(cfg))
     assert str(ei.value) == (f"config file {cfg}: run_id: is not UTF-8 text (character 2 is an undecodable byte)")
+
+
+def _alias_bomb(key: str, depth: int = 9) -> str:
+    """``key: [...]`` whose YAML aliases make a list of ``10**depth`` numbers out of ~500 bytes."""
+    levels = ["&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, depth)]
+    return f"{key}: [{', '.join(levels)}]\n"
+
+
+@pytest.mark.parametrize("key, kind", [("mmap_threshold_mib", "a number"), ("checkpoint_dir", "text")])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, key, kind):
+    """The error showed the file's value as json.dumps of the whole list, cut to 60 characters after: a 500-byte file
+    whose aliases nest a list of 10**9 numbers held ``geomesh-peer join`` there for good (red team 44)."""
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text(_alias_bomb(key))
+    assert len(cfg.read_bytes()) < 600
+    with pytest.raises(ConfigFileError) as ei:
+        load_config_defaults(_command("join"), str(cfg))
+    # what json.dumps of the whole value began with (the same for a small bomb)
+    shown = json.dumps(yaml.safe_load(_alias_bomb(key, depth=3))[key])[:57] + "..."
+    assert str(ei.value) == f"config file {cfg}: {key}: expected {kind}, got the list {shown}"
+
+
+def test_a_long_text_is_shown_cut(tmp_path):
+    cfg = tmp_path / "peer.yaml"
+    cfg.write_text(f"port: '{'9' * 100_000}'\n")
+    with pytest.raises(ConfigFileError) as ei:
+        load_config_defaults(_command("join"), str(cfg))
+    assert str(ei.value) == f"config file {cfg}: port: expected an integer, got the text '{'9' * 56}..."
