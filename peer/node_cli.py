@@ -389,7 +389,11 @@ def ping_bootstraps_first(ns: argparse.Namespace) -> bool:
         return False  # a torchrun follower rank does not join (rank 0 does), nor a peer that starts a swarm
     from pathlib import Path
 
-    from geomesh_p2p.dht.preflight import check_bootstraps
+    from geomesh_p2p.dht.preflight import check_bootstraps, own_address
+
+    own = own_address(ns.host, getattr(ns, "advertise_host", None), ns.port, getattr(ns, "client_only", False))
+    if all(a == own for a in ns.bootstrap):
+        return False  # only this peer itself: nothing to ping (the join leaves it out and starts a new swarm)
     from geomesh_p2p.net.identity import Identity, IdentityError
     from geomesh_p2p.net.tls import tls_from_flags
 
@@ -401,7 +405,7 @@ def ping_bootstraps_first(ns: argparse.Namespace) -> bool:
         raise ValueError(str(e)) from None
     attempts = getattr(ns, "join_attempts", 1)
     line = asyncio.run(
-        check_bootstraps(identity or Identity.generate(), ns.run_id, ns.bootstrap, tls, attempts=attempts)
+        check_bootstraps(identity or Identity.generate(), ns.run_id, ns.bootstrap, tls, attempts=attempts, own=own)
     )
     if line is not None:
         logging.getLogger("geomesh_p2p.node.peer").warning(line)  # the node's logger: the line it logged before

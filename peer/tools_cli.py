@@ -18,7 +18,7 @@ import math
 import sys
 import time
 
-from geomesh_p2p.config.flags import takes
+from geomesh_p2p.config.flags import AppendOverDefault, takes
 from geomesh_p2p.config.models import DEFAULT_RUN_ID
 from geomesh_p2p.model.ckpt_files import checkpoint_dir_problem
 from geomesh_p2p.schema.shards import check_shards
@@ -200,6 +200,9 @@ def _status(ns: argparse.Namespace) -> int:
     from geomesh_p2p.dht.state import OtherRunError
     from geomesh_p2p.net.identity import IdentityError
 
+    if not ns.bootstrap:
+        _say("status", "--bootstrap HOST:PORT is required (on the command line, or bootstrap: in --config)")
+        return 2
     try:
         view, rounds = asyncio.run(asyncio.wait_for(_read_swarm(ns), timeout=ns.timeout * 4 + 10))
     except OtherRunError as e:  # it answered: "cannot reach" would send the user after the network
@@ -345,11 +348,13 @@ def add_subcommands(sub, add_common) -> None:
     )
     st.add_argument(
         "--bootstrap",
-        action="append",
+        # the command line's replaces a --config file's list (plain append added to it), and the file's alone will
+        # do: not required by argparse, checked by _status (red team 44)
+        action=AppendOverDefault,
+        default=[],
         type=_host_port,
-        required=True,
         metavar="HOST:PORT",
-        help="the swarm's bootstrap (its DHT port, as peers join with); repeatable",
+        help="the swarm's bootstrap (its DHT port, as peers join with); repeatable; required (here or in --config)",
     )
     st.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run to read (default: %(default)s)")
     st.add_argument("--json", action="store_true", help="print JSON (the status page's /api/swarm and rounds)")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
+
+from geomesh_p2p.util import exit_gc
 
 from tests.collective_util import Swarm
 from tests.proc_util import Server
@@ -213,3 +216,18 @@ def _torch_threads_restored():
     yield
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_start_up_freeze_left():
+    """A test that leaves this process armed for the start-up heap freeze (``exit_gc.arm_startup_freeze``: what a
+    command's ``main`` or a follower rank's ``worker_main`` does as its own process) or frozen fails, and both are
+    undone: an armed test process froze its whole heap at the next in-process node's start, so every object alive then
+    (other tests' too) was never collected again (red team 44: the follower-rank entry test left it armed)."""
+    yield
+    armed, frozen = exit_gc._armed, gc.get_freeze_count()
+    exit_gc._armed = False
+    if frozen:
+        gc.unfreeze()
+    if armed or frozen:
+        pytest.fail(f"the test left the start-up heap freeze armed ({armed}) or {frozen} object(s) frozen")

@@ -26,12 +26,13 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-import functools
-from typing import Any, Callable, Literal, Optional, TypeVar, Union, cast
+from typing import Any, Callable, Literal, Optional, cast
 
-from pydantic import BaseModel, Field, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
+from geomesh_p2p.config.value_kinds import KIND_WORDS, file_value_problem as file_value_problem, shown_value
+from geomesh_p2p.config.value_kinds import takes as takes, value_kind as value_kind
 from geomesh_p2p.net.addr import AddressError, canonical_address
 from geomesh_p2p.schema.run_id import check_run_id
 
@@ -51,6 +52,7 @@ __all__ = [
     "capped",
     "takes",
     "comma_numbers",
+    "AppendOverDefault",
 ]
 
 _DEFAULT_MARK = " (default: %(default)s)"
@@ -97,101 +99,6 @@ def opt(
     if default_factory is not None:
         return Field(default_factory=default_factory, description=help or None, json_schema_extra=extra, **constraints)
     return Field(default, description=help or None, json_schema_extra=extra, **constraints)
-
-
-# ---------------------------------------------------------------------------------------------- value kinds
-#: What a config file may give for each kind of flag value, as pydantic's strict types: the file's value is checked
-#: against it before it goes through the flag's type as text, so YAML's ``[1]`` is no number (it read as 1), ``true``
-#: no number, ``5`` no path and ``null`` no port (``mmap_threshold_mib: [1]`` was taken for 1, session 44). A list
-#: is only for the flags that take a comma-separated list (``profile_batches: [4, 8]`` or ``"4,8"``).
-_FILE_TYPES: dict[str, Any] = {
-    "text": StrictStr,
-    "int": StrictInt,
-    "number": Union[StrictInt, StrictFloat],
-    "auto_int": Union[StrictInt, StrictStr],  # auto or an integer (the flag's type reads the text)
-    "auto_number": Union[StrictInt, StrictFloat, StrictStr],
-    "int_list": Union[StrictStr, list[StrictInt]],
-    "number_list": Union[StrictStr, list[Union[StrictInt, StrictFloat]]],
-    "text_list": Union[StrictStr, list[StrictStr]],
-}
-
-#: Each kind in the words of a config-file error ("expected an integer, got ...").
-_KIND_WORDS = {
-    "text": "text",
-    "int": "an integer",
-    "number": "a number",
-    "auto_int": "auto or an integer",
-    "auto_number": "auto or a number",
-    "int_list": "a list of integers",
-    "number_list": "a list of numbers",
-    "text_list": "a list of text values",
-}
-
-_Parse = TypeVar("_Parse", bound=Callable[..., Any])
-
-
-def takes(kind: str) -> Callable[[_Parse], _Parse]:
-    """Decorator of a flag type: the kind of value (a key of :data:`_FILE_TYPES`) a config file may give for it."""
-    if kind not in _FILE_TYPES:
-        raise ValueError(f"unknown value kind {kind!r}")
-
-    def mark(parse: _Parse) -> _Parse:
-        parse.value_kind = kind  # type: ignore[attr-defined]
-        return parse
-
-    return mark
-
-
-@functools.cache
-def _file_type(kind: str) -> TypeAdapter:
-    return TypeAdapter(_FILE_TYPES[kind])
-
-
-def value_kind(action: argparse.Action) -> str:
-    """The kind of value (:data:`_FILE_TYPES`) a config file may give for ``action``: its type's
-    :func:`takes` mark; ``int`` and ``float`` for Python's own; text for a flag without a type (paths, hosts,
-    names, choices)."""
-    kind = getattr(action.type, "value_kind", None)
-    if kind is not None:
-        return kind
-    if action.type is int:
-        return "int"
-    if action.type is float:
-        return "number"
-    return "text"
-
-
-def _shown_value(value: Any) -> str:
-    """A config file's value as its error shows it, in YAML's words: ``the list [1]``, ``true``, ``null``, ``the
-    number 5``, ``the text '5'``, ``a mapping``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return f"the number {value}"
-    if isinstance(value, str):
-        return f"the text {value!r}"
-    if isinstance(value, list):
-        shown = json.dumps(value, default=str)  # as the file would write it: [1, true], not [1, True]
-        return f"the list {shown if len(shown) <= 60 else shown[:57] + '...'}"
-    if isinstance(value, dict):
-        return "a mapping"
-    return f"a {type(value).__name__}"
-
-
-def file_value_problem(kind: str, value: Any) -> Optional[str]:
-    """``"expected <kind>, got <value>"`` when a config file's ``value`` is not of ``kind`` (pydantic's strict
-    check of :data:`_FILE_TYPES`), with how to quote a number or true/false given for text; None when it is."""
-    try:
-        _file_type(kind).validate_python(value, strict=True)
-        return None
-    except ValidationError:
-        pass
-    hint = ""
-    if kind in ("text", "text_list") and isinstance(value, (bool, int, float)):
-        hint = f' (quote it: "{_shown_value(value).removeprefix("the number ")}")'
-    return f"expected {_KIND_WORDS[kind]}, got {_shown_value(value)}{hint}"
 
 
 # ---------------------------------------------------------------------------------------------- flag types
@@ -499,7 +406,7 @@ def flag_specs(
                 kw.update(action="store_true", default=default)
         elif typing.get_origin(ann) is list and cli.get("parse") not in ("batch_list", "file", "device_list"):
             kw.update(
-                action=_AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
+                action=AppendOverDefault, default=list(default or []), type=PARSERS.get(cli.get("parse", ""), str)
             )
         else:
             if typing.get_origin(ann) is Literal:
@@ -540,7 +447,7 @@ def derived_fields(model: type[BaseModel]) -> dict[str, str]:
     return out
 
 
-class _AppendOverDefault(argparse._AppendAction):
+class AppendOverDefault(argparse._AppendAction):
     """argparse's ``append``, except that the first use on the command line replaces the default list (a
     config file's ``bootstrap: [...]``) instead of adding to it: the command line wins, as for every other
     flag (a fresh-user trial joined through a config file's bootstrap *and* the one given on the command
@@ -632,7 +539,7 @@ def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
             if getattr(s.kwargs.get("type"), "accepts_auto", False):
                 out += [s.flag, "auto"]  # None is the flag's "auto" (--window-s auto), not "unset"
             continue
-        elif action in ("append", _AppendOverDefault):
+        elif action in ("append", AppendOverDefault):
             for x in v:
                 out += [s.flag, str(x)]
         elif isinstance(v, list):
@@ -695,8 +602,8 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         if dest not in actions or dest in ("help", "config"):
             raise ConfigFileError(f"config file {p}: unknown option {key!r}{_key_hint(str(key), actions)}")
         action = actions[dest]
-        if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
-            value = [value]  # a repeatable flag given once: `bootstrap: host:port`
+        if isinstance(action, argparse._AppendAction) and not isinstance(value, (list, type(None))):
+            value = [value]  # a repeatable flag given once: `bootstrap: host:port` (null: as any flag's null)
         out[dest] = _checked(p, key, action, value)
     return out
 
@@ -723,7 +630,7 @@ def _checked(path: Path, key, action: argparse.Action, value):
         if v is None:
             if action.default is not None:  # null for a flag that cannot be unset (a port): not its default
                 raise ConfigFileError(
-                    f"config file {path}: {key}: expected {_KIND_WORDS[value_kind(action)]}, got null (leave the key "
+                    f"config file {path}: {key}: expected {KIND_WORDS[value_kind(action)]}, got null (leave the key "
                     "out for the default)"
                 )
             return v
@@ -744,9 +651,13 @@ def _checked(path: Path, key, action: argparse.Action, value):
 
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
-            raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {_shown_value(value)}")
+            raise ConfigFileError(f"config file {path}: {key}: expected true or false, got {shown_value(value)}")
         return value
-    if isinstance(action, argparse._AppendAction):
+    if isinstance(action, argparse._AppendAction) and value is not None:
+        if any(v is None for v in value):  # [null] was kept as an address: a TypeError later (red team 44)
+            raise ConfigFileError(
+                f"config file {path}: {key}: expected {KIND_WORDS[value_kind(action)]}, got null in the list"
+            )
         return [one(v) for v in value]
     return one(value)
 

@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p import __version__
+from geomesh_p2p.net.addr import format_address
 from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.methods import DHT_PING
 from geomesh_p2p.net.transport import RpcError, Transport
@@ -264,6 +265,12 @@ def preflight_verdict(
     return unanswered_bootstraps_line(list(addresses), list(results))  # type: ignore[arg-type]
 
 
+def own_address(host: str, advertise_host: Optional[str], port: int, client_only: bool) -> Optional[str]:
+    """The address a node of these flags will advertise (``Transport.start``'s spelling), which its join leaves out of
+    its ``--bootstrap`` list; None when it is not known before it listens (``--port 0``) or it serves nothing."""
+    return None if client_only or not port else format_address(advertise_host or host, port)
+
+
 async def check_bootstraps(
     identity: Identity,
     run_id: str,
@@ -272,10 +279,11 @@ async def check_bootstraps(
     timeout_s: float = PREFLIGHT_TIMEOUT_S,
     attempts: int = 1,
     window_s: float = REFUSED_WINDOW_S,
+    own: Optional[str] = None,
 ) -> Optional[str]:
-    """The pre-flight: :func:`ping_bootstraps` (each address once, duplicates dropped), judged by
-    :func:`preflight_verdict`. Returns the WARNING line to log when none answered, None when one did or there is
-    none to ping.
+    """The pre-flight: :func:`ping_bootstraps` (each address once, duplicates and ``own`` dropped: this node's own
+    address, :func:`own_address`, which the join leaves out too), judged by :func:`preflight_verdict`. Returns the
+    WARNING line to log when none answered, None when one did or there is none to ping.
 
     While every address refuses the connection (:func:`nothing_listens`: nothing listens there yet), they are
     pinged again, up to ``attempts`` times in all (the join's ``--join-attempts``) within ``window_s`` seconds,
@@ -287,7 +295,9 @@ async def check_bootstraps(
         NothingListensError: every address refused every connection, ``attempts`` times or for ``window_s``.
         OtherRunError: as :func:`preflight_verdict`.
     """
-    addresses = list(dict.fromkeys(a.strip() for a in addresses if a and a.strip()))
+    # not this node's own address: nothing listens there before it starts, and a list naming it was refused after
+    # 15 s (red team 44) where the join starts a new swarm
+    addresses = [a for a in dict.fromkeys(a.strip() for a in addresses if a and a.strip()) if a != own]
     if not addresses:
         return None
     attempts = max(1, attempts)

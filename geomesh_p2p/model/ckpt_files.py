@@ -16,6 +16,10 @@ _CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.json$")
 WEIGHTS_SUFFIX = ".safetensors"
 
 
+#: The most bytes of one file name (NAME_MAX of Linux's and macOS's file systems).
+NAME_MAX_BYTES = 255
+
+
 class WeightsNameError(ValueError):
     """A checkpoint record names a weights file outside its folder (an absolute path, ``../``, a subfolder) or one
     that is no ``.safetensors`` file; the message says which name and why."""
@@ -27,7 +31,8 @@ def weights_path(meta_path: Path, record: Mapping[str, Any]) -> Path:
 
     Raises:
         WeightsNameError: the field is no text, names a path (absolute, ``..``, a folder part, with ``/`` or ``\\``),
-            or a file without the suffix: a record could otherwise have a resume, ``checkpoints``, ``export`` or
+            a file without the suffix, or a name no file can have (not in the file system's encoding, over
+            :data:`NAME_MAX_BYTES`): a record could otherwise have a resume, ``checkpoints``, ``export`` or
             ``generate`` read (and its size, ``stat``) any file of the machine as the weights.
     """
     name = record.get("weights")
@@ -41,6 +46,14 @@ def weights_path(meta_path: Path, record: Mapping[str, Any]) -> Path:
         )
     if not name.endswith(WEIGHTS_SUFFIX) or name == WEIGHTS_SUFFIX:
         raise WeightsNameError(f"its weights file {_shown(name)} is not a {WEIGHTS_SUFFIX} file")
+    try:
+        spelt = os.fsencode(name)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): its stat raised it, a traceback (red team 44)
+        raise WeightsNameError(f"its weights file {_shown(name)} is not a file name this system can spell") from None
+    if len(spelt) > NAME_MAX_BYTES:  # its stat's ENAMETOOLONG read as "missing"
+        raise WeightsNameError(
+            f"its weights file {_shown(name)} is longer than a file name may be ({NAME_MAX_BYTES} bytes)"
+        )
     return meta_path.parent / name
 
 

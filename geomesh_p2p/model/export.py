@@ -163,7 +163,18 @@ def _wrong_field(rec: dict, meta: dict) -> Optional[str]:
                 ok = v >= 0
             if not ok:
                 return f"{name} {v!r:.40} is not {' or '.join(t.__name__ for t in types)}"
+            if isinstance(v, str) and not _utf8(v):  # JSON's "\ud800": the table's print raised it (red team 44)
+                return f"{name} {v!r:.40} is not UTF-8 text"
     return None
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (no surrogate: JSON may spell one, no terminal can print it)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # ------------------------------------------------------------------------------------ loading

@@ -18,7 +18,7 @@ from geomesh_p2p.node.started import started
 from geomesh_p2p.dht import IncompatibleSwarmError, check_compatible, live_peers
 from geomesh_p2p.dht.state import DHT_PROTOCOL_VERSION
 from geomesh_p2p.config.models import RunConfig
-from geomesh_p2p.dht.preflight import check_bootstraps
+from geomesh_p2p.dht.preflight import check_bootstraps, own_address
 from geomesh_p2p.dht.preflight import unanswered_bootstraps_line as unanswered_bootstraps_line  # re-exported
 from geomesh_p2p.dht.progress import swarm_progress
 from geomesh_p2p.model import state as gstate  # module-qualified: tests replace gstate.load_latest_checkpoint
@@ -245,8 +245,11 @@ async def check_bootstrap_run(node: PeerNode, tls: Optional[object], timeout_s: 
     addresses = list(node.cfg.bootstrap or [])
     if not addresses or node.run_cfg.pow_bits <= 0:  # no proof of work: the join itself comes at once
         return
-    attempts = node.cfg.join_attempts
-    line = await check_bootstraps(node.identity, node.run_cfg.run_id, addresses, tls, timeout_s, attempts)
+    c = node.cfg
+    own = own_address(c.host, c.advertise_host, c.port, c.client_only)  # its join leaves it out (red team 44)
+    line = await check_bootstraps(
+        node.identity, node.run_cfg.run_id, addresses, tls, timeout_s, c.join_attempts, own=own
+    )
     if line is not None:
         # said now, before the proof of work (a wrong address was reported ~50 s later, after it and the retries)
         log.warning(line)

@@ -579,9 +579,10 @@ class PeerNode:
             driver.eval_schedule.note_eval(-1, eval_s)  # --eval-every auto schedules from it (eval_schedule.py)
             await driver.run()
             self._reached_target()
+            # the last round's tending lines before the closing line, "done" or a swarm that ended first (red team 44)
+            await self.verified.settle()
             if driver.ended is not None:
                 return report.log_swarm_ended(self, driver.ended)
-            await self.verified.settle()  # its last lines before "done"
             report.log_done(self)
         finally:
             await self.shutdown()

@@ -132,6 +132,17 @@ def _window_bits(bitmap: np.ndarray, start: int, m: int) -> np.ndarray:
     return out
 
 
+def _spread(blocks: np.ndarray, k: int, size: int) -> np.ndarray:
+    """bool ``[nb]`` -> uint8 ``[size]``: byte ``i`` is 255 where ``blocks[i // k]`` (``(nb - 1) k < size <= nb k``),
+    else 0; no temporary larger than ``size`` bytes, whatever ``k``."""
+    out = np.empty(size, dtype=np.uint8)
+    whole = size // k
+    out[: whole * k].reshape(whole, k)[:] = blocks[:whole, None].astype(np.uint8) * np.uint8(255)
+    if whole * k < size:  # the last block ends inside this window's bytes
+        out[whole * k :] = np.uint8(255) if blocks[whole] else np.uint8(0)
+    return out
+
+
 def _packed_counts(packet: Any, signs: PackedSigns, start: int) -> tuple[int, int]:
     """The (both non-zero, signs equal) counts of :func:`sign_agreements` for one sign packet (block size a
     multiple of 8) against elements ``[start, start + numel)`` of ``signs``, on the packed bits (issue 27, session
@@ -149,8 +160,9 @@ def _packed_counts(packet: Any, signs: PackedSigns, start: int) -> tuple[int, in
         m = min(step, n - a)
         live = _window_bits(nz_all, start + a, m)
         # each block's scale > 0, spread over its B / 8 bytes (the last block may end inside its bytes: masked by
-        # live, whose bits past m are 0)
-        live &= np.repeat(live_blocks[a // B : -(-(a + m) // B)], B // 8)[: live.size].astype(np.uint8) * np.uint8(255)
+        # live, whose bits past m are 0), written into live.size bytes: np.repeat of the last block whole was a
+        # B / 8-byte temporary for a short packet (512 MiB at B = 2**32 - 8: red team 44)
+        live &= _spread(live_blocks[a // B : -(-(a + m) // B)], B // 8, live.size)
         both += int(np.bitwise_count(live).sum(dtype=np.int64))
         same = _window_bits(pos_all, start + a, m) ^ bits_all[a // 8 : a // 8 + live.size]
         agree += int(np.bitwise_count(live & same).sum(dtype=np.int64))

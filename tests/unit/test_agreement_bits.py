@@ -91,3 +91,25 @@ def test_exact_counts_on_a_hand_made_part_off_a_byte():
     assert A._packed_counts(packet, signs_of(agg), 3) == (7, 3)
     assert sign_agreements({"p": {0: packet}}, signs_of(agg), [(3, 16)]) == {"p": 3 / 7}
     assert decoded_counts({"p": {0: packet}}, agg, [(3, 16)]) == {"p": 3 / 7}
+
+
+@pytest.mark.parametrize("block", [2048, 1 << 26, (1 << 32) - 8])
+def test_a_huge_block_size_costs_no_block_sized_temporary(block):
+    """Red team 44: the per-byte block mask was np.repeat of each block's flag B / 8 times, so a 100-element packet
+    of one block at B = 2**32 - 8 (any multiple of 8 below 2**32 is a valid sign packet) made a 512 MiB
+    temporary; now the mask is written into the window's own bytes. Same counts as the decode."""
+    tracemalloc = pytest.importorskip("tracemalloc")
+    g = torch.Generator().manual_seed(5)
+    agg = torch.randn(200, generator=g)
+    agg[60] = 0.0
+    packet = compression.encode(torch.randn(100, generator=g), block, 1)
+    signs = signs_of(agg)
+    tracemalloc.start()
+    try:
+        got = A._packed_counts(packet, signs, 50)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024  # bytes: a few 13-byte windows and numpy's small objects, not B / 8
+    want = decoded_counts({"p": {0: packet}}, agg, [(50, 150)])["p"]
+    assert got[0] == 99 and got[1] / got[0] == want

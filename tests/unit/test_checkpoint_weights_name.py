@@ -78,3 +78,44 @@ def test_a_weights_name_of_the_folder_loads(tmp_path, name):
     assert row["problem"] is None and row["bytes"] == (meta.parent / "ckpt-00000003.safetensors").stat().st_size + (
         meta.stat().st_size
     )
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        # a lone surrogate (valid JSON: "\ud800"): no file name can hold it; `checkpoints` crashed on its stat with a
+        # UnicodeEncodeError traceback (red team 44)
+        ("\ud800.safetensors", "is not a file name this system can spell"),
+        # over NAME_MAX: the stat's ENAMETOOLONG read as "weights file ... is missing"
+        ("w" * 300 + ".safetensors", "is longer than a file name may be (255 bytes)"),
+    ],
+)
+def test_a_weights_name_no_file_can_have_is_refused_naming_it(tmp_path, capsys, name, why):
+    from peer.cli import main
+
+    meta, _ = _checkpoint(tmp_path)
+    _name_weights(meta, name)
+    shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:197] + "..."
+    with pytest.raises(CheckpointError) as ei:
+        load_latest_checkpoint(meta.parent)
+    assert str(ei.value) == f"corrupt checkpoint metadata {meta}: its weights file {shown} {why}"
+    (row,) = list_checkpoint_info(meta.parent)
+    # the listing's field check words a surrogate first (any text field: the table prints them)
+    listed = f"weights {name!r:.40} is not UTF-8 text" if "\ud800" in name else f"its weights file {shown} {why}"
+    assert row["problem"] == f"unreadable metadata ({listed})" and row["bytes"] is None
+    assert main(["checkpoints", str(meta.parent)]) in (0, 1)  # a table with the problem, no traceback
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["digest", "run_config_hash", "weights", "meta.peer_id"])
+def test_a_record_text_with_a_lone_surrogate_is_a_problem_row(tmp_path, field):
+    """A record's text field holding JSON's ``"\\ud800"`` was listed as is, and the ``checkpoints`` table's print to a
+    UTF-8 terminal raised UnicodeEncodeError, a traceback (red team 44): now the row's problem names it."""
+    meta, _ = _checkpoint(tmp_path)
+    rec = json.loads(meta.read_text())
+    where, name = (rec.setdefault("meta", {}), "peer_id") if field == "meta.peer_id" else (rec, field)
+    where[name] = "a\ud800"
+    meta.write_text(json.dumps(rec))
+    (row,) = list_checkpoint_info(meta.parent)
+    assert row["problem"] == f"unreadable metadata ({name} 'a\\ud800' is not UTF-8 text)"
+    assert row["bytes"] is None and row["digest"] is None

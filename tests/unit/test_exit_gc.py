@@ -76,6 +76,7 @@ def test_other_process_entry_points_register_the_freeze(monkeypatch, capsys, ent
     # each is a process holding torch's or grpc's ~200,000-400,000 objects, and something waits for its exit
     registered: list = []
     monkeypatch.setattr(exit_gc, "_installed", False)
+    monkeypatch.setattr(exit_gc, "_armed", False)  # the follower's entry arms it: undone after (red team 44)
     monkeypatch.setattr(exit_gc.atexit, "register", registered.append)
     assert entry(monkeypatch) == status
     capsys.readouterr()
