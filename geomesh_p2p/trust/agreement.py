@@ -149,7 +149,7 @@ def _packed_counts(packet: Any, signs: PackedSigns, start: int) -> tuple[int, in
     44): an element of the packet is non-zero where its block's scale is > 0 (scales are finite and >= 0, so a
     decoded value is +-scale), negative where its bit is 1, so ``live = nonzero(aggregate) & scale > 0`` and
     ``agree = live & (positive(aggregate) xor bit)``, counted with popcounts over :data:`_SLICE` elements at a
-    time. The same integers as decoding to fp32 (``tests/unit/test_agreement_bits.py``), with ``_SLICE / 8``-byte
+    time. The same integers as decoding to fp32 (``tests/unit/test_agreement_relative.py``), with ``_SLICE / 8``-byte
     temporaries instead of a few fp32 slices, and without the decode's multiplies."""
     n, B = packet.numel, packet.block_size
     nz_all, pos_all = signs.nonzero.numpy(), signs.positive.numpy()
