@@ -4,7 +4,8 @@
 
 Like tests/rank_worker.py (the same tiny model and :class:`FakeData`), with the collective timeout given. Every
 rank writes ``OUT.rank<R>.pt``; rank 0 its runs' results (or the error a run raised) and seconds, the failures
-seen, its flat weights after each run; a follower its exit code and flat weights. SCENARIO:
+seen, its flat weights after each run; a follower its exit code, flat weights and the commands it took (opcodes
+in order, keep-alive pings left out). SCENARIO:
 
 ``nanweights``: rank 1's last optimizer step of the run leaves a NaN weight (its losses stay finite);
 ``stop``: rank 1 stops itself (SIGSTOP) at its second step; rank 0 must end its run after the collective timeout;
@@ -28,7 +29,7 @@ import torch
 from torch.distributed import distributed_c10d
 
 from geomesh_p2p.model.build import flat_params
-from geomesh_p2p.model.rank_channel import EXIT, Command, RankChannel
+from geomesh_p2p.model.rank_channel import EXIT, PING, Command, RankChannel
 from geomesh_p2p.model.ranks import NoData, RankedTrainer
 from geomesh_p2p.model.training import StepTarget
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -141,6 +142,16 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
 def follower(ch: RankChannel, scenario: str, out: str) -> int:
     assert ch.wait_setup() == VOCAB
     t = RankedTrainer(model(), NoData(VOCAB), channel=ch, **KWARGS)
+    taken: list[int] = []
+    recv = ch.recv
+
+    def recording() -> Command:
+        cmd = recv()
+        if cmd.op != PING:  # as many as the runs' lengths allow: not counted
+            taken.append(cmd.op)
+        return cmd
+
+    ch.recv = recording  # type: ignore[method-assign]
     _scenario_timeout(ch, TIMEOUT_S[0])
     if scenario == "nanweights":
         real_step, n = t.optimizer.step, {"steps": 0}
@@ -167,7 +178,10 @@ def follower(ch: RankChannel, scenario: str, out: str) -> int:
     elif scenario in ("long", "rank0dies"):
         _slow(t, 0.5)
     code = t.follow()
-    torch.save({"code": code, "flat": flat_params(t.model), "exp_avg": _moments(t)}, f"{out}.rank{ch.rank}.pt")
+    torch.save(
+        {"code": code, "flat": flat_params(t.model), "exp_avg": _moments(t), "commands": taken},
+        f"{out}.rank{ch.rank}.pt",
+    )
     ch.close(exit_followers=False)
     return code
 

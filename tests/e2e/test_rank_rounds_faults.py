@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from geomesh_p2p.model.rank_channel import EXIT, RUN, WEIGHTS
 from tests import rank_worker
 from tests.rank_procs import reap, spawn_ranks
 from tests.rank_round_worker import LONG_STEPS
@@ -75,11 +76,13 @@ def test_a_run_longer_than_the_collective_timeout_is_no_failure(tmp_path: Path) 
 def test_an_error_in_rank_0s_steps_still_meets_the_followers(tmp_path: Path) -> None:
     r0, codes, logs = _run(tmp_path, "rank0error", 20)
     first, second = r0["runs"]
-    assert first["error"] == "RuntimeError: simulated device error" and first["seconds"] < 10, first
-    # the next run needs no collective timeout to pass: the follower met rank 0 and took the next command
-    assert "error" not in second and second["seconds"] < 10, second
+    assert first["error"] == "RuntimeError: simulated device error", first
+    # the next run needs no collective timeout to pass (one would be a failure): the follower met rank 0 after
+    # the failed run and took the next run's commands, in order
+    assert "error" not in second, second
     assert second["tokens"] == rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ, second
     assert r0["failures"] == [] and codes[1] == 0, logs[-3000:]
+    assert torch.load(tmp_path / "out.rank1.pt")["commands"] == [WEIGHTS, RUN, WEIGHTS, RUN, EXIT]
 
 
 @pytest.mark.timeout(4 * WAIT_S)
@@ -92,18 +95,21 @@ def test_degenerate_runs_neither_hang_nor_desync_the_ranks(tmp_path: Path) -> No
     for res in (huge, inf, normal, floored):  # speeds of 1e308: a split that sums to the batch, no OverflowError
         assert "error" not in res, res
         assert res["tokens"] == rank_worker.STEPS * rank_worker.BATCH * rank_worker.SEQ, res
-    assert all(r["seconds"] < 10 for r in r0["runs"]), r0["runs"]
     r1 = torch.load(tmp_path / "out.rank1.pt")
     assert torch.equal(r1["flat"], r0["flat"][-1])
+    # in step: the follower took every run's weights, and the RUN of each run of steps (none for 0 steps), in order
+    # (a run that waited for the collective timeout would have failed the peer: no failure above)
+    assert r1["commands"] == [WEIGHTS] + [WEIGHTS, RUN] * (len(r0["runs"]) - 1) + [EXIT], r1["commands"]
 
 
 @pytest.mark.timeout(4 * WAIT_S)
 def test_a_stopped_follower_ends_rank_0s_run_after_the_collective_timeout(tmp_path: Path) -> None:
     r0, _, logs = _run(tmp_path, "stop", 4, follower_exits=False)
     res = r0["runs"][0]
-    # rank 0's own 3 rows of each step are the peer's; one failure, after the 4 s timeout, not much later
+    # rank 0's own 3 rows of each step are the peer's; one failure, at the meeting, not before the 4 s timeout (a
+    # lower bound; the run's end is the hang guard of _run)
     assert res["tokens"] == rank_worker.STEPS * 3 * rank_worker.SEQ and res["early"], res
-    assert 3.5 < res["seconds"] < 15, res
+    assert res["seconds"] > 3.5, res
     assert len(r0["failures"]) == 1 and "meeting" in r0["failures"][0], r0["failures"]
 
 

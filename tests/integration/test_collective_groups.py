@@ -305,7 +305,6 @@ async def test_a_long_poll_for_a_part_the_cross_spec_does_not_have_is_refused_at
     state = svc.register(xs)
     state.contributing = True  # as while its cross all-reduce runs
     asker = next(i for i, p in enumerate(sw.pids) if p not in layout.cross_set(c))
-    t0 = time.monotonic()
     for part in (len(xs.owners), 10**6, 2**32 - 1):
         req = collective_pb2.PullPartRequest(round=xs.round, part=part, wait_s=30.0, spec_id=xs.spec_id)
         with pytest.raises(RpcError) as e:
@@ -313,8 +312,10 @@ async def test_a_long_poll_for_a_part_the_cross_spec_does_not_have_is_refused_at
                 sw.addresses[k], COLLECTIVE_CROSS.pull, req.SerializeToString(), round=xs.round, timeout=10.0
             )
         assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
-    assert time.monotonic() - t0 < 3.0
-    assert all(j < len(xs.owners) for j in state.cached)
+    # refused without a wait: a long poll registers the part's event (owner.cache_event) before it waits, and
+    # none was registered for a part out of range (a waiting poll ends NOT_FOUND at its bound too: the code
+    # alone does not tell)
+    assert all(j < len(xs.owners) for j in state.cached), sorted(state.cached)
 
 
 @pytest.mark.timeout(60)

@@ -174,16 +174,22 @@ async def test_a_peer_with_a_skewed_clock_sees_and_is_seen_by_the_swarm(skew_s):
     honest = await start_node([boot.address])
     nodes = [boot, honest]
     try:
+        t0 = time.monotonic()
         skewed = await _skewed_node(skew_s, [boot.address])
+        # the offset is measured from the bootstrap's ping reply, off by half that ping's round trip at most: no
+        # more than half the join (a loaded machine's round trips are longer, and so is the join)
+        err_s = (time.monotonic() - t0) / 2
         nodes.append(skewed)
-        assert abs(skewed.clock_offset_s + skew_s) < 0.5  # measured from the bootstrap's ping reply
-        assert abs(skewed.now() - time.time()) < 0.5
+        assert abs(skewed.clock_offset_s + skew_s) <= err_s, (skewed.clock_offset_s, err_s)
+        before = time.time()
+        now = skewed.now()
+        assert before - err_s <= now <= time.time() + err_s  # swarm time: this machine's real clock
         # records that live 8 s, written on either side, are found on the other
         assert await honest.store(f"{RUN}/from-honest", b"h", honest.now() + 8, owner=honest.identity)
         assert await skewed.store(f"{RUN}/from-skewed", b"s", skewed.now() + 8, owner=skewed.identity)
         assert (await skewed.get(f"{RUN}/from-honest"))[None].value == b"h"
         found = await honest.get(f"{RUN}/from-skewed")
-        assert found[None].value == b"s" and found[None].expiration_time < time.time() + 8.5
+        assert found[None].value == b"s" and found[None].expiration_time <= time.time() + 8 + err_s
         # the fault of issue 14 #1, as it was: judged by its own clock, the skewed peer finds nothing
         # (+30 s: every 8 s record looks expired) or keeps records 30 s too long (-30 s)
         skewed.clock_offset_s = 0.0

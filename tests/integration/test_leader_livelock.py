@@ -94,17 +94,16 @@ def test_the_rs7_views_leave_each_peer_deferring_to_the_other():
     assert p2.plan_problem(p3.make_plan(recs, p3.me), live) is None
 
 
-async def test_two_peers_that_each_defer_to_the_other_plan_and_train_a_round_within_a_bounded_time():
+async def test_two_peers_that_each_defer_to_the_other_plan_and_train_a_round_in_two_attempts():
     """Before: both drivers logged "no plan appeared; retrying" until stopped (rs7: 6 minutes). Now, after one
     attempt without any plan each becomes the last resort; one plan is published and followed by both, and
-    round 5 is trained within a few plan timeouts."""
+    round 5 is trained in the second plan attempt at the latest (counted, not timed: a loaded machine stretches
+    each attempt, not their number)."""
     p2, p3, _ = _rs7_pair()
     drivers = [p.driver(rounds=6, min_peers=2) for p in (p2, p3)]
-    assert drivers[0].cfg.plan_timeout_s == 0.3  # T of the bound below
     with events.capture("plan_last_resort") as resorts, events.capture("plan_takeover") as takeovers:
-        t0 = asyncio.get_running_loop().time()
+        # a hang guard only (the livelock never ends): the attempts are counted below
         await asyncio.wait_for(asyncio.gather(*[d.run() for d in drivers]), 20)
-        took = asyncio.get_running_loop().time() - t0
     rows = [d.history for d in drivers]
     assert [[r.round for r in h] for h in rows] == [[5], [5]]
     assert rows[0][0].leader == rows[1][0].leader and rows[0][0].peers == 2
@@ -116,6 +115,6 @@ async def test_two_peers_that_each_defer_to_the_other_plan_and_train_a_round_wit
     assert resorts and {(e["peer"], tuple(e["candidates"])) for e in resorts} <= pairs
     assert len(resorts) == len({e["peer"] for e in resorts})
     assert any(e["last_resort"] for e in takeovers if e["round"] == 5)
-    # bounded: a whole attempt (2 T), the gather between, the last resort's turn (1 T), then the round (the whole
-    # run takes ~1.5 s here); the livelock never ends
-    assert took < 15.0, took
+    # bounded: one attempt without a plan, then the one the last resort leads (or a first attempt that
+    # followed the other's plan); the livelock was an unbounded number of attempts
+    assert 1 <= p2.agreements <= 2 and 1 <= p3.agreements <= 2, (p2.agreements, p3.agreements)

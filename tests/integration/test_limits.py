@@ -14,7 +14,6 @@ import logging
 import random
 import select
 import socket
-import time
 
 import grpc
 import pytest
@@ -331,8 +330,10 @@ async def test_a_gone_donors_failed_pieces_are_info_and_the_download_goes_on():
 
 async def _throttled_proxy(target_port: int, rate_bps: float):
     """A TCP proxy on 127.0.0.1 that forwards client -> server at ``rate_bps`` bytes/s per connection
-    (a slow uplink); returns (server, port). Its copy tasks end with their connections."""
+    (a slow uplink); returns (server, port). Its copy tasks end with their connections; ``server.forwarded[0]``
+    counts the bytes it passed on to the server so far."""
     tasks: set = set()
+    forwarded = [0]
 
     async def pipe(r, w, rate):
         try:
@@ -340,6 +341,7 @@ async def _throttled_proxy(target_port: int, rate_bps: float):
                 w.write(data)
                 await w.drain()
                 if rate:
+                    forwarded[0] += len(data)
                     await asyncio.sleep(len(data) / rate)
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -355,22 +357,34 @@ async def _throttled_proxy(target_port: int, rate_bps: float):
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     srv.copy_tasks = tasks  # type: ignore[attr-defined]
+    srv.forwarded = forwarded  # type: ignore[attr-defined]
     return srv, srv.sockets[0].getsockname()[1]
 
 
 async def test_a_dht_store_does_not_wait_behind_the_same_peers_part_upload():
     """Review F1: a DHT store (a "large" control read, ~4 MiB limit) from a peer that is uploading a part
-    to the same node takes its own read slot: it answers in well under the upload's remaining time. Before,
-    both took the one "large" slot of that IP and the store waited for the whole upload (3.7 s here)."""
+    to the same node takes its own read slot: it is answered while the upload is still being received. Before,
+    both took the one "large" slot of that IP and the store waited for the whole upload (3.7 s here). Checked by
+    bytes, not time: when the store is handled, the slow link has not yet carried the whole upload."""
     from geomesh_p2p.dht.records import DEFAULT_LIMITS
     from geomesh_p2p.net.methods import COLLECTIVE_PUSH, DHT_STORE
 
+    handled: list = []  # (method, bytes the proxy had forwarded to the server then), in the order handled
+
     async def ok(verified, context):
+        if len(verified.payload) > 4:  # not a warm-up call
+            handled.append(("push", proxy.forwarded[0]))
         return b"ok"
 
+    async def store(verified, context):
+        if len(verified.payload) > 4:
+            handled.append(("store", proxy.forwarded[0]))
+        return b"ok"
+
+    upload = 8 << 20
     server = Transport(Identity.generate(), RUN)
     server.add_unary(COLLECTIVE_PUSH, ok, max_payload_bytes=64 << 20)
-    server.add_unary(DHT_STORE, ok, max_payload_bytes=DEFAULT_LIMITS.max_store_payload())
+    server.add_unary(DHT_STORE, store, max_payload_bytes=DEFAULT_LIMITS.max_store_payload())
     address = await server.start()
     proxy, port = await _throttled_proxy(int(address.rsplit(":", 1)[1]), 2 << 20)
     client = Transport(Identity.generate(), RUN, TransportConfig(client_only=True, default_timeout_s=60))
@@ -387,16 +401,17 @@ async def test_a_dht_store_does_not_wait_behind_the_same_peers_part_upload():
             return ticket
 
         guard.acquire_read = spy  # type: ignore[method-assign]
-        push = asyncio.ensure_future(client.call(via, COLLECTIVE_PUSH, bytes(8 << 20), timeout=60))
+        push = asyncio.ensure_future(client.call(via, COLLECTIVE_PUSH, bytes(upload), timeout=60))
         await asyncio.wait_for(reading.wait(), 30)
         guard.acquire_read = real_acquire  # type: ignore[method-assign]
-        t0 = time.monotonic()
         await client.call(via, DHT_STORE, b"x" * 300, idempotent=False)
-        store_s = time.monotonic() - t0
-        assert not push.done(), "the store was answered only after the whole upload"
+        pushed_first = push.done()
         await push
-        upload_left_s = time.monotonic() - t0
-        assert store_s < upload_left_s / 4, (store_s, upload_left_s)
+        # handled before the upload, while the link had carried less than the upload (before the fix: after
+        # every byte of it, the store's read waiting for the upload's slot)
+        assert [m for m, _ in handled] == ["store", "push"], handled
+        assert handled[0][1] < upload <= handled[1][1], (handled, upload)
+        assert not pushed_first, "the store was answered only after the whole upload"
     finally:
         await client.stop()
         await server.stop()

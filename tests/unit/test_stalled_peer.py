@@ -449,8 +449,10 @@ async def test_the_digest_check_waits_for_a_voter_still_finishing_the_round(i_wi
     me2.round, dead.round = 5, 4
     dead.swarm.records[dead.me] = dead.record()
     clock2 = FakeClock()
+    wall0 = time.time()
+    clock2.time = lambda: wall0 + (clock2.t - 1000.0)  # type: ignore[method-assign]  # virtual: exact waits
     drv2 = me2.driver(rounds=9, min_peers=2, clock=clock2)
-    drv2._last_plan = SimpleNamespace(round=4, exchange_deadline=time.time(), start_digest=None)
+    drv2._last_plan = SimpleNamespace(round=4, exchange_deadline=wall0, start_digest=None)
     assert await asyncio.wait_for(drv2.check_digest(5, [me2.me, dead.me]), 10) is None
     assert 5.0 <= clock2.t - 1000.0 <= 7.0  # ROUND_END_SLACK_S past the deadline (virtual seconds)
 
