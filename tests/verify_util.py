@@ -289,3 +289,17 @@ class FakeDHT:
 
     async def get(self, key, latest=True, subkeys=None, quorum=None):
         return dict(self.data.get(key, {}))
+
+
+class Counting:
+    """The dataset, counting the batches drawn (each is one forward pass of the screen)."""
+
+    def __init__(self, ds):
+        self.ds, self.batches = ds, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ds, name)
+
+    def sample_batch(self, **kw):
+        self.batches += 1
+        return self.ds.sample_batch(**kw)

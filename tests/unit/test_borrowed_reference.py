@@ -29,7 +29,7 @@ from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.gain import GainStats
 from geomesh_p2p.trust.verify_commit import Committed
 from tests.poison import PoisonedCorpus, trigger_ids
-from tests.verify_util import B, L, ROUND, _fixed_identity, _new_trainer, _plan, _train_round, world_fixture
+from tests.verify_util import Counting, B, L, ROUND, _fixed_identity, _new_trainer, _plan, _train_round, world_fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -111,20 +111,6 @@ def _screen(world, cfg, a, H=10, *, cache=None, dataset=None, **kw):
     )  # fmt: skip
     assert stats.gain is not None
     return stats, verdict, task, (plan, packets, vid)
-
-
-class Counting:
-    """The dataset, counting the batches drawn (each is one forward pass of the screen)."""
-
-    def __init__(self, ds):
-        self.ds, self.batches = ds, 0
-
-    def __getattr__(self, name):
-        return getattr(self.ds, name)
-
-    def sample_batch(self, **kw):
-        self.batches += 1
-        return self.ds.sample_batch(**kw)
 
 
 def test_a_screener_without_a_contribution_of_its_own_fails_the_poisoner_on_two_borrowed_references(world, poisoner):

@@ -20,7 +20,7 @@ from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.gain_stages import disagreement, stage_bounds
 from tests.poison import PoisonedCorpus, trigger_ids
-from tests.verify_util import _fixed_identity, _packets, _plan, _train_round, world_fixture
+from tests.verify_util import Counting, _fixed_identity, _packets, _plan, _train_round, world_fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,20 +29,6 @@ world = pytest.fixture(scope="module", name="world")(world_fixture)
 CFG = VT.VerifyConfig()
 WHOLE = dataclasses.replace(CFG, gain_staged=False)
 SEED = hashlib.sha256(b"s43").digest()
-
-
-class Counting:
-    """The dataset, counting the batches drawn (each is one forward pass of the screen)."""
-
-    def __init__(self, ds):
-        self.ds, self.batches = ds, 0
-
-    def __getattr__(self, name):
-        return getattr(self.ds, name)
-
-    def sample_batch(self, **kw):
-        self.batches += 1
-        return self.ds.sample_batch(**kw)
 
 
 @pytest.fixture(scope="module")
