@@ -296,13 +296,16 @@ def check_memory(run, cfg) -> None:
     import torch
 
     from geomesh_p2p.model.build import count_params
+    from geomesh_p2p.model.profile import memory_in_use
     from geomesh_p2p.node.training import check_memory_budget
 
     model = None if cfg.model_config_file else run.model
     n = count_params(model, cfg.model_config_file, vocab_size=run.vocab_size)
     auto = cfg.device == "auto"
     cuda = cfg.device.startswith("cuda") or (auto and torch.cuda.is_available())
-    check_memory_budget(run, cfg, n, "cuda" if cuda else "cpu")
+    # on a CPU the budget bounds this process's RSS, Python and torch included (what the profile counts as in use)
+    in_use = 0 if cuda else memory_in_use("cpu")
+    check_memory_budget(run, cfg, n, "cuda" if cuda else "cpu", in_use)
 
 
 def check_model(ns: argparse.Namespace) -> None:
@@ -597,16 +600,20 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         except Exception as e:  # unreachable / refusing node: say so in one line
             print(f"geomesh-peer profile: link probe of {ns.probe} failed: {e}", file=sys.stderr)
             return 1
-    result = profile(
-        preset=ns.model,
-        seq_len=ns.seq_len,
-        batch_sizes=ns.batch_sizes,
-        device=ns.device,
-        speed_factor=ns.speed_factor,
-        memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
-        upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
-        download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None,
-    )
+    try:
+        result = profile(
+            preset=ns.model,
+            seq_len=ns.seq_len,
+            batch_sizes=ns.batch_sizes,
+            device=ns.device,
+            speed_factor=ns.speed_factor,
+            memory_budget_bytes=int(ns.memory_budget_gb * 2**30) if ns.memory_budget_gb else None,
+            upload_bps=ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else None,
+            download_bps=ns.download_mbps * 1e6 / 8 if ns.download_mbps else None,
+        )
+    except ValueError as e:  # the budget cannot hold this model: one line, as join says it (fresh user, session 45)
+        print(f"geomesh-peer profile: cannot train {ns.model} here: {e}", file=sys.stderr)
+        return 1
     if probed is not None:
         result["bandwidth"] = {
             "upload_bps": ns.upload_mbps * 1e6 / 8 if ns.upload_mbps else probed.upload_bps,

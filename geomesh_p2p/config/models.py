@@ -607,7 +607,12 @@ class BootstrapConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    host: str = opt("0.0.0.0", "interface to listen on; 0.0.0.0 = all", min_length=1)
+    host: str = opt(
+        "0.0.0.0",
+        "interface to listen on; 0.0.0.0 = all, the default: a bootstrap is the address peers on other machines "
+        "dial (a peer listens on 127.0.0.1 unless told otherwise); 127.0.0.1 keeps a one-machine trial local",
+        min_length=1,
+    )
     port: int = opt(DEFAULT_BOOTSTRAP_PORT, "TCP port to listen on; 0 = any free port")
     advertise_host: Optional[str] = opt(
         None,

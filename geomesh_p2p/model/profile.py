@@ -291,7 +291,7 @@ def profile_training(
         static = int(before0 + counted + extra_bytes)
         if static >= memory_bytes:
             raise ValueError(
-                f"memory budget {memory_bytes / gib:.2f} GiB is below what training this model needs before any "
+                f"memory budget {gib_text(memory_bytes)} GiB is below what training this model needs before any "
                 f"activation: {static / gib:.2f} GiB ({before0 / gib:.2f} in use + {counted / gib:.2f} gradients and "
                 f"optimizer state + {extra_bytes / gib:.2f} the rest of the run's static memory)"
             )
@@ -308,7 +308,7 @@ def profile_training(
 
         if max_fit() < 1:
             raise ValueError(
-                f"memory budget {memory_bytes / gib:.2f} GiB is below the predicted peak of one sequence of "
+                f"memory budget {gib_text(memory_bytes)} GiB is below the predicted peak of one sequence of "
                 f"{seq_len} tokens: {(static + per_seq) / gib:.2f} GiB (measured step peak {peak1 / gib:.2f} GiB "
                 f"+ {extra_bytes / gib:.2f} GiB the rest of the run's static memory)"
             )
@@ -404,6 +404,13 @@ def profile_training(
         skipped=skipped,
         seconds=time.perf_counter() - t_start,
     )
+
+
+def gib_text(n_bytes: float) -> str:
+    """``n_bytes`` in GiB for a message: two decimals, or three significant digits under 0.1 GiB (a budget of
+    0.001 GiB read "0.00 GiB", fresh-user trial, session 45)."""
+    gib = float(n_bytes) / 2.0**30
+    return f"{gib:.2f}" if abs(gib) >= 0.1 else f"{gib:.3g}"
 
 
 def _held_bytes(sess: MeasureSession) -> int:

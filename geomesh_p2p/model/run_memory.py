@@ -205,18 +205,29 @@ def run_memory_estimate(
 
 
 def memory_budget_problem(
-    est: RunMemory, budget_bytes: Optional[int], device_type: str = "cpu", *, verified_work: bool = False
+    est: RunMemory,
+    budget_bytes: Optional[int],
+    device_type: str = "cpu",
+    *,
+    verified_work: bool = False,
+    in_use_bytes: int = 0,
 ) -> Optional[str]:
     """Why ``--memory-budget-gb`` (``budget_bytes``) cannot hold this run, in one line, or None (no budget,
     or the static memory fits): the budget, the estimate and its three largest items, and what to do (a
     larger budget, a smaller model, and ``--mode reencode`` when ``verified_work``: verified work runs
-    in relay, accountable and auto mode, not in reencode)."""
+    in relay, accountable and auto mode, not in reencode). ``in_use_bytes``: memory the process holds already
+    besides the estimate's items (bytes; the CLI's check at start passes its RSS on a CPU, Python and torch,
+    which the start-up profile counts as in use: a budget of 0.1 GiB passed that check and was refused 18 s
+    later by the profile, fresh-user trial, session 45)."""
     if budget_bytes is None:
         return None
-    need = est.total(device_type)
+    need = est.total(device_type) + max(0, int(in_use_bytes))
     if need < budget_bytes:
         return None
-    top = ", ".join(f"{i.name} {i.bytes / _GIB:.2f} GiB" for i in est.largest(3, device_type))
+    items = [(i.name, i.bytes) for i in est.largest(3, device_type)]
+    if in_use_bytes > 0:
+        items = sorted(items + [("in use already (Python, torch)", int(in_use_bytes))], key=lambda x: -x[1])[:3]
+    top = ", ".join(f"{name} {n / _GIB:.2f} GiB" for name, n in items)
     fixes = "a larger --memory-budget-gb or a smaller --model"
     if verified_work:
         vw = sum(i.bytes for i in est.in_memory(device_type) if i.name.startswith("verified work"))

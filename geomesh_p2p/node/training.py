@@ -114,9 +114,10 @@ def run_memory(run, cfg, n_params: int) -> RunMemory:
     )
 
 
-def check_memory_budget(run, cfg, n_params: int, device_type: str) -> RunMemory:
+def check_memory_budget(run, cfg, n_params: int, device_type: str, in_use_bytes: int = 0) -> RunMemory:
     """:func:`run_memory` for ``n_params``, checked against ``--memory-budget-gb`` on ``device_type``
-    (``"cpu"`` or ``"cuda"``). Returns the estimate.
+    (``"cpu"`` or ``"cuda"``), ``in_use_bytes`` held besides it (:func:`~geomesh_p2p.model.run_memory.
+    memory_budget_problem`). Returns the estimate.
 
     Raises:
         UserFacingError: the static memory alone does not fit the budget (one line naming the flag, the
@@ -124,7 +125,11 @@ def check_memory_budget(run, cfg, n_params: int, device_type: str) -> RunMemory:
     """
     est = run_memory(run, cfg, n_params)
     problem = memory_budget_problem(
-        est, cfg.memory_budget_bytes, device_type, verified_work=verified_work_on(run.method, run.mode)
+        est,
+        cfg.memory_budget_bytes,
+        device_type,
+        verified_work=verified_work_on(run.method, run.mode),
+        in_use_bytes=in_use_bytes,
     )
     if problem is not None:
         raise UserFacingError(problem)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from geomesh_p2p.model.build import count_params
+import geomesh_p2p.model.profile
 from geomesh_p2p.model.run_memory import memory_budget_problem, run_memory_estimate
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.trust.kept_weights import KeptWeights
@@ -139,7 +140,8 @@ def test_run_memory_items_exact_bytes():
     assert memory_budget_problem(est, 36774) is not None
 
 
-def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, capsys):
+def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(geomesh_p2p.model.profile, "memory_in_use", lambda device: 0)  # the estimate's items alone
     key = tmp_path / "id.key"
     argv = ["join", "--identity", str(key), "--model", "tiny", "--device", "cpu", "--memory-budget-gb", "0.001"]
     assert main(argv) == 2
@@ -259,3 +261,28 @@ def test_start_weights_written_early_are_taken_unless_changed_and_untaken_ones_g
     assert store.rounds() == [4, 5, 6] and store.files() == [f"theta-{r}.f32" for r in (4, 5, 6)]
     vw.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_budget_below_what_the_process_holds_already_fails_at_start(tmp_path, capsys, monkeypatch):
+    """Fresh-user trial, session 45: ``--memory-budget-gb 0.1`` with the tiny model passed the check at start (its
+    static memory is a few MiB) and was refused 18 s later, after the proof of work, by the profile, which counts
+    the process's RSS (Python and torch, ~0.4 GiB) as in use. The check at start counts it now, on a CPU."""
+    in_use = 400 * 2**20
+    monkeypatch.setattr(geomesh_p2p.model.profile, "memory_in_use", lambda device: in_use)
+    key = tmp_path / "id.key"
+    argv = ["join", "--identity", str(key), "--model", "tiny", "--device", "cpu", "--memory-budget-gb", "0.1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    n = count_params("tiny", vocab_size=4096)
+    p, gib = 4 * n, 2**30
+    contributions = 4 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
+    assert err.startswith(
+        f"geomesh-peer join: --memory-budget-gb 0.1: this run's static memory alone is "
+        f"{(8 * p + contributions + in_use) / gib:.2f} GiB for {n:,} parameters before any activation (largest: "
+        f"in use already (Python, torch) 0.39 GiB, "
+    )
+    assert not key.exists()
+    # a budget that holds both starts past the check (refused later only by what this test stubs out: no swarm)
+    est = run_memory_estimate(n, "geomesh")
+    assert memory_budget_problem(est, est.total() + in_use + 1, in_use_bytes=in_use) is None
+    assert memory_budget_problem(est, est.total() + in_use, in_use_bytes=in_use) is not None

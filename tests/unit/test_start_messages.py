@@ -442,3 +442,24 @@ def test_profile_measures_joins_batch_sizes_by_default(monkeypatch, capsys):
     assert main(["profile", "--model", "tiny"]) == 0 and main(["profile", "--batch-sizes", "2,3"]) == 0
     assert capsys.readouterr().out.splitlines() == ["{'sizes': [4, 8, 16]}", "{'sizes': [2, 3]}"]
     assert NodeConfig().profile_batches == [4, 8, 16]
+
+
+def test_profile_refuses_a_budget_too_small_in_one_line(monkeypatch, capsys):
+    """Fresh-user trial, session 45: ``profile --memory-budget-gb 0.001`` ended in a traceback (``join`` says the
+    same in one line), and printed the budget as "0.00 GiB". The real profile, refused before its first step."""
+    import geomesh_p2p.node.host
+
+    import peer.node_cli
+
+    monkeypatch.setattr(geomesh_p2p.node.host, "set_threads", lambda n: None)
+    monkeypatch.setattr(peer.node_cli, "set_mmap_threshold", lambda b: True)  # this test process's heap left as is
+    from peer.cli import main
+
+    assert main(["profile", "--model", "tiny", "--memory-budget-gb", "0.001"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and "\n" not in err and "Traceback" not in err
+    assert err.startswith(
+        "geomesh-peer profile: cannot train tiny here: memory budget 0.001 GiB is below what training this model "
+        "needs before any activation: "
+    )
