@@ -395,15 +395,23 @@ def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, 
 async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:
     """This peer's digest against the majority of the round's participants (waits up to
     ``digest_wait_s`` for their records, backoff; longer for one still finishing the round:
-    :func:`finishing_until`). None: nobody else to compare with."""
+    :func:`finishing_until`). None: nobody else to compare with.
+
+    Each read is a fresh read of the participants' records alone (``records_of`` with the DHT's full read
+    quorum), not the shared membership read: that one is reused for ``peers_max_age_s`` (0.5 s), so a record
+    announced just after the check's first read was seen ~0.7 s later whatever the backoff (issue 27, session 45:
+    the check took 0.69-0.71 s in most rounds of a 2-peer ``gpt2-124m`` run)."""
     t0 = drv.clock.monotonic()
     deadline = t0 + drv.cfg.digest_wait_s
     finishing = finishing_until(drv, r, t0)
     backoff = drv.backoff()
     counted = -1
+    voters = list(participants)
     while True:
-        # leaving peers count too: their last record carries the digest they ended the round with
-        recs = [x for x in await drv.membership.peers(include_leaving=True) if x.peer_id in participants]
+        # leaving peers count too (records_of includes them): their last record carries the digest they ended
+        # the round with; a full read quorum, as the shared read's: a record missing from it is acted on (a
+        # vote not counted)
+        recs = [x for x in await drv.membership.records_of(voters, sampled=False) if x.peer_id in participants]
         majority, agree, total = digest_majority(drv.policy.digest_voters(recs), r, behind_digest(drv, r))
         if total >= len(participants):
             break
