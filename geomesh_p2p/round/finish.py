@@ -26,7 +26,7 @@ from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Specula
 from geomesh_p2p.round import light
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
-from geomesh_p2p.round.ports import EagerStatePort, SnapshotEvaluator
+from geomesh_p2p.round.ports import CheckHolder, EagerStatePort, SnapshotEvaluator
 
 if TYPE_CHECKING:
     from geomesh_p2p.exchange.client import AllReduceResult
@@ -375,7 +375,10 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
 def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle) -> None:
     """Outer step and commit as one change of the state (worker thread): under the state's lock when it
     has one, so a reader never sees the stepped buffer under round ``r``'s digest."""
-    with drv.state.state_lock or contextlib.nullcontext():
+    # No check pass of verified work starts meanwhile (a pass under way goes on): one beside the outer step and
+    # the digest took ~0.1-0.2 s of each round's critical path on a peer's core (issue 27, session 45)
+    hold = drv.trainer.turns.hold() if isinstance(drv.trainer, CheckHolder) else contextlib.nullcontext()
+    with hold, drv.state.state_lock or contextlib.nullcontext():
         drv.state.outer_step(r, plan, aggregate, idle)
         t0, c0 = time.monotonic(), time.process_time()
         if drv._spec is not None:
