@@ -349,9 +349,10 @@ def build_training(node: PeerNode) -> None:
     )  # served by byte range from the buffer itself (no snapshot copies)
     # The outer update's spill starts at the commit's seal (off the outer step's and the digest's core) and reads the
     # aggregate, the gradients' buffer: the next steps wait for it rather than take a second [P] (issue 27, session 45)
-    updates = started(node.state_server).updates
-    node.trainer.grads.wait_release = lambda: updates.wait_spilled(SPILL_WAIT_S)
-    node.verified.before_early_write = node.trainer.grads.wait_release  # verified work's start weights: after it
+    if isinstance(node.trainer, InnerTrainer) and node.trainer.grads.enabled:  # a ranked trainer has no such buffer
+        updates = started(node.state_server).updates
+        node.trainer.grads.wait_release = lambda: updates.wait_spilled(SPILL_WAIT_S)
+        node.verified.before_early_write = node.trainer.grads.wait_release  # verified work's start weights: after it
     # --error-feedback: the residual [P] fp32 of this peer's sign pushes (fp32 pushes lose nothing).
     node.feedback = (
         PushFeedback(node.numel, r.block_size) if r.error_feedback and rule.push_encoding == "sign" else None
