@@ -88,6 +88,10 @@ class FlatGradBuffer:
         self._buf: Optional[torch.Tensor] = None
         #: times a fresh buffer was allocated (the first one included): a reused buffer keeps it unchanged
         self.allocations = 0
+        #: called (in the steps' thread) when the buffer is still held elsewhere as the next steps begin, before a
+        #: fresh one is made: a holder that lets it go soon is waited for, bounded by the callable (the node: the
+        #: outer update's spill to disk, which reads the aggregate, this buffer; issue 27, session 45). None: none.
+        self.wait_release: Optional[Callable[[], object]] = None
         self._touched = [False] * len(self.params)  # this step's backward reached params[i] (its hook ran)
         self._param_hooks: list[RemovableHandle] = []  # the parameters' post-accumulate hooks
         self._step_hook: Optional[RemovableHandle] = None  # the step pre-hook, on the optimizer _armed refers to
@@ -122,7 +126,10 @@ class FlatGradBuffer:
             self._armed = weakref.ref(optimizer)
 
     def _free_buffer(self) -> torch.Tensor:
-        """The buffer when nothing else holds its storage, else a fresh one (the old one left to its holders)."""
+        """The buffer when nothing else holds its storage (after :attr:`wait_release`, when it is held), else a fresh
+        one (the old one left to its holders)."""
+        if self._buf is not None and self.wait_release is not None and storage_shared(self._buf):
+            self.wait_release()
         if self._buf is None or storage_shared(self._buf):
             self._buf = None  # dropped before the fresh one is made: freed now when nothing holds it any more
             self._buf = torch.empty(self.numel, dtype=torch.float32)

@@ -159,6 +159,12 @@ def block_bounds(g: torch.Tensor, block_size: int, c: float) -> torch.Tensor:
     multiply: the same bits on every machine. A NaN in a block gives a NaN bound. Reads
     :data:`BOUNDS_CHUNK` elements (whole blocks) at a time: ``|g|`` of a whole part was a ``[n]`` fp32 temporary
     beside the outer step (178 MB at ``gpt2-124m``'s half; issue 27, session 44), the same maxima."""
+    return torch.mul(block_maxima(g, block_size), float(c))
+
+
+def block_maxima(g: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``max|g|`` of each block of :func:`block_bounds` (NaN for a block with a NaN), fp32 ``[ceil(n / B)]``: one
+    read pass of ``g``, :data:`BOUNDS_CHUNK` elements at a time."""
     n = g.numel()
     nfull = n // block_size
     parts = []
@@ -168,8 +174,7 @@ def block_bounds(g: torch.Tensor, block_size: int, c: float) -> torch.Tensor:
         parts.append(torch.abs(g[a:b]).view((b - a) // block_size, block_size).amax(dim=1))
     if nfull * block_size < n:
         parts.append(torch.abs(g[nfull * block_size :]).amax().reshape(1))
-    m = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
-    return torch.mul(m, float(c))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
 
 
 def clamp_blocks(x: torch.Tensor, bounds: torch.Tensor, offset: int, block_size: int) -> None:
@@ -363,6 +368,11 @@ def _abs_max(t: torch.Tensor) -> float:
     return max(-lo, hi)
 
 
+def _max_of(maxima: torch.Tensor) -> float:
+    """The largest of :func:`block_maxima` (NaN when one is NaN; 0 for none): the part's :func:`_abs_max`."""
+    return float(maxima.max()) if maxima.numel() else 0.0
+
+
 def _state_bound(outer, theta: torch.Tensor) -> float:
     """A bound of max |θ|, |momentum| over the whole vectors: the one the fused step recorded after its last
     write (:func:`_bound_after`) when neither tensor changed since (torch's in-place version counters) and it
@@ -471,16 +481,18 @@ def outer_step_per_part(
     fused = type(outer) is OuterNesterov and k == 1 and outer.lr < FUSED_MAX_LR
     state_bound = _state_bound(outer, theta) if fused else float("inf")
     written = 0.0  # a bound of the values the fused step wrote
+    clip = fused and outer.momentum_clip > 0
     for s, e in ranges:
-        g_max = _abs_max(aggregate[s:e])
+        # With the momentum clip the part's max |g| is the max of its block maxima, which the clip needs anyway:
+        # one read pass of the aggregate fewer (issue 27, session 45), the same value (NaN and inf included)
+        maxima = block_maxima(aggregate[s:e], outer.block_size) if clip else None
+        g_max = _abs_max(aggregate[s:e]) if maxima is None else _max_of(maxima)
         if not g_max == g_max or g_max == float("inf"):  # a NaN or an inf in the part's aggregate
             bad.append((s, e))
             bad_in.add((s, e))
             continue
         if fused and g_max <= FUSED_BOUND and state_bound <= FUSED_BOUND:
-            bounds = None
-            if outer.momentum_clip > 0:
-                bounds = block_bounds(aggregate[s:e], outer.block_size, outer.momentum_clip)
+            bounds = None if maxima is None else torch.mul(maxima, float(outer.momentum_clip))  # = block_bounds
             _nesterov_fused(outer, theta, aggregate, _minus(s, e, idle), s, bounds)
             written = max(written, _bound_after(outer, state_bound, g_max))
             steps_after = outer.steps + 1

@@ -312,7 +312,7 @@ class InnerTrainer:
 
         self.optimizer = self._build_optimizer(self.model)
         # the gradients, then the round's pseudo-gradient, in one reused [P] (CPU fp32); turns with verified work's
-        self._grads, self.turns = FlatGradBuffer(list(self.model.parameters()), enabled=self.flat_grads), Turns()
+        self.grads, self.turns = FlatGradBuffer(list(self.model.parameters()), enabled=self.flat_grads), Turns()
 
     # -- pieces ---------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ class InnerTrainer:
 
     def update_buffer(self) -> torch.Tensor | None:
         """fp32 CPU ``[P]`` for the pseudo-gradient after the steps: the gradients' (FlatGradBuffer), or None."""
-        return self._grads.take()
+        return self.grads.take()
 
     def _trained_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The parameters the inner optimizer steps (and the gradient clip sees): the model's here; a sharded
@@ -406,7 +406,7 @@ class InnerTrainer:
             except (RuntimeError, MemoryError) as e:
                 if not is_oom(e):
                     raise
-                self._grads.drop(self.optimizer)  # and the buffer: no second [P] beside the retry's (red team 39)
+                self.grads.drop(self.optimizer)  # and the buffer: no second [P] beside the retry's (red team 39)
                 free_after_oom(self.device)
                 if mb <= 1:
                     raise MemoryError(f"out of memory at micro-batch 1 on {self.device}") from None
@@ -570,7 +570,7 @@ class InnerTrainer:
                 t0 = time.perf_counter()
                 self._set_lr(round, k, inner_steps)
                 batch = self._step_batch(round, k, batch_size)
-                self._grads.zero(self.optimizer)
+                self.grads.zero(self.optimizer)
                 try:
                     loss = self.accumulate_fitting(batch, micro_batch)
                 except MemoryError as e:
@@ -595,7 +595,7 @@ class InnerTrainer:
                     raise FloatingPointError(
                         f"non-finite training loss {loss} at round {round} step {k} (global step {self.global_step})"
                     )
-                self._grads.settle()  # before the clip: an unreached parameter's zeroed view is not in its norm
+                self.grads.settle()  # before the clip: an unreached parameter's zeroed view is not in its norm
                 if self.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.grad_clip)
                 self.optimizer.step()

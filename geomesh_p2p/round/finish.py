@@ -26,7 +26,7 @@ from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Specula
 from geomesh_p2p.round import light
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
-from geomesh_p2p.round.ports import EagerStatePort, SnapshotEvaluator
+from geomesh_p2p.round.ports import CheckHolder, EagerStatePort, SnapshotEvaluator
 
 if TYPE_CHECKING:
     from geomesh_p2p.exchange.client import AllReduceResult
@@ -375,7 +375,10 @@ async def evaluate(drv: RoundDriver, r: int, last: bool) -> tuple[Optional[float
 def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, idle) -> None:
     """Outer step and commit as one change of the state (worker thread): under the state's lock when it
     has one, so a reader never sees the stepped buffer under round ``r``'s digest."""
-    with drv.state.state_lock or contextlib.nullcontext():
+    # No check pass of verified work starts meanwhile (a pass under way goes on): one beside the outer step and
+    # the digest took ~0.1-0.2 s of each round's critical path on a peer's core (issue 27, session 45)
+    hold = drv.trainer.turns.hold() if isinstance(drv.trainer, CheckHolder) else contextlib.nullcontext()
+    with hold, drv.state.state_lock or contextlib.nullcontext():
         drv.state.outer_step(r, plan, aggregate, idle)
         t0, c0 = time.monotonic(), time.process_time()
         if drv._spec is not None:
@@ -395,15 +398,23 @@ def advance(drv: RoundDriver, r: int, plan: RoundPlan, aggregate: torch.Tensor, 
 async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) -> Optional[bool]:
     """This peer's digest against the majority of the round's participants (waits up to
     ``digest_wait_s`` for their records, backoff; longer for one still finishing the round:
-    :func:`finishing_until`). None: nobody else to compare with."""
+    :func:`finishing_until`). None: nobody else to compare with.
+
+    Each read is a fresh read of the participants' records alone (``records_of`` with the DHT's full read
+    quorum), not the shared membership read: that one is reused for ``peers_max_age_s`` (0.5 s), so a record
+    announced just after the check's first read was seen ~0.7 s later whatever the backoff (issue 27, session 45:
+    the check took 0.69-0.71 s in most rounds of a 2-peer ``gpt2-124m`` run)."""
     t0 = drv.clock.monotonic()
     deadline = t0 + drv.cfg.digest_wait_s
     finishing = finishing_until(drv, r, t0)
     backoff = drv.backoff()
     counted = -1
+    voters = list(participants)
     while True:
-        # leaving peers count too: their last record carries the digest they ended the round with
-        recs = [x for x in await drv.membership.peers(include_leaving=True) if x.peer_id in participants]
+        # leaving peers count too (records_of includes them): their last record carries the digest they ended
+        # the round with; a full read quorum, as the shared read's: a record missing from it is acted on (a
+        # vote not counted)
+        recs = [x for x in await drv.membership.records_of(voters, sampled=False) if x.peer_id in participants]
         majority, agree, total = digest_majority(drv.policy.digest_voters(recs), r, behind_digest(drv, r))
         if total >= len(participants):
             break

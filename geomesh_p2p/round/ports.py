@@ -20,10 +20,12 @@ from geomesh_p2p.util.aio import wait_event
 from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
 
-if TYPE_CHECKING:  # the real types; training imports transformers, the exchange grpc: not loaded at run time here
+if TYPE_CHECKING:
+    # the real types; training imports transformers, the exchange grpc: not loaded at run time here
     from geomesh_p2p.exchange.client import AllReduceResult
     from geomesh_p2p.exchange.partition import CollectiveSpec
     from geomesh_p2p.model.training import InnerResult, StepTarget
+    from geomesh_p2p.model.turns import Turns
     from geomesh_p2p.telemetry.metrics import RoundRecord
 
 __all__ = [
@@ -164,6 +166,16 @@ class SnapshotEvaluator(Protocol):
 
     def evaluate_snapshot(self, max_batches: int = 8) -> float:
         """Held-out perplexity of the last snapshot (raises RuntimeError before any)."""
+
+
+@runtime_checkable
+class CheckHolder(Protocol):
+    """What a :class:`Trainer` may also offer (InnerTrainer does): its turns with verified work's check passes
+    (:class:`~geomesh_p2p.model.turns.Turns`), whose :meth:`~geomesh_p2p.model.turns.Turns.hold` keeps new passes
+    out while the round's outer step and commit run (issue 27, session 45). The driver checks for it first
+    (``isinstance(trainer, CheckHolder)``)."""
+
+    turns: Turns
 
 
 class Collective(Protocol):

@@ -399,6 +399,8 @@ class UpdateLog:
         self._mu = threading.Lock()
         self._pending: Optional[tuple] = None  # (round, start digest, ranges, idle, aggregate copy)
         self._spilling: set[int] = set()  # rounds whose spill is being written
+        self._spill_queued: set[int] = set()  # rounds whose spill a seal scheduled on the loop (not started yet)
+        self._spills_idle = threading.Condition(self._mu)  # notified when a spill ends (:meth:`wait_spilled`)
         self._written: Optional[tuple] = None  # (round, id of the aggregate): spilled before its seal (seal takes it)
         self._done: dict[int, Any] = {}  # round -> OuterUpdate, or (blob, hash) once encoded
         self._encoding: dict[int, asyncio.Future] = {}
@@ -432,13 +434,10 @@ class UpdateLog:
                 agg,
             )
             self._drop_written()  # a round recorded and spilled but never sealed
-            # Issue 27 (session 39): the spill starts now, beside the outer step (which only reads the aggregate),
-            # not once sealed: sealed, the next round's inner steps start within a second, and the aggregate's
-            # [P], which is this peer's gradient buffer, was still held by the write (a second [P] of gradients)
-            loop = self._loop if self._spill_on and self._spawn is not None and not self._catching_up() else None
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                loop.call_soon_threadsafe(self._spill_soon, int(round))
+            # Issue 27 (session 45): the spill starts at the seal, not here. Started here (session 39) it ran beside
+            # the outer step and the digest on the peer's core, ~0.5 s of CPU a round on that critical path at
+            # gpt2-124m; the next round's steps wait for it instead (:meth:`wait_spilled`) when it still holds
+            # the aggregate, their gradient buffer, so they take no second [P].
 
     def seal(self, round_after: int, end_digest: str) -> None:
         """The state is now at ``round_after`` with ``end_digest``: the update recorded for
@@ -479,8 +478,22 @@ class UpdateLog:
                 for r in [p[0], *stale]:
                     loop.call_soon_threadsafe(self._encode_soon, r)
         elif spill_loop is not None:
-            with contextlib.suppress(RuntimeError):
+            with self._mu:
+                self._spill_queued.add(p[0])
+            try:
                 spill_loop.call_soon_threadsafe(self._spill_soon, p[0])
+            except RuntimeError:  # the loop is closing: no spill will run
+                with self._mu:
+                    self._spill_queued.discard(p[0])
+                    self._spills_idle.notify_all()
+
+    def wait_spilled(self, timeout_s: float) -> bool:
+        """Block (a worker thread) until no spill is scheduled or being written, at most ``timeout_s`` seconds;
+        True when none is. The next round's inner steps call it before they allocate a second gradient buffer
+        (:attr:`~geomesh_p2p.model.grad_buffer.FlatGradBuffer.wait_release`): the spill reads the aggregate, which
+        is their buffer."""
+        with self._mu:
+            return self._spills_idle.wait_for(lambda: not self._spilling and not self._spill_queued, timeout_s)
 
     def _drop_written(self) -> None:
         """Delete the file of a round spilled before a seal that did not come (``_mu`` held)."""
@@ -497,7 +510,9 @@ class UpdateLog:
     def _spill_soon(self, round: int) -> None:
         """Write ``round``'s raw update to the spill store, in a task of the ``spawn`` owner (on the loop)."""
         with self._mu:
+            self._spill_queued.discard(round)
             if self._spawn is None or round in self._encoding or round in self._spilling:
+                self._spills_idle.notify_all()
                 return
             self._spilling.add(round)
         try:
@@ -505,6 +520,7 @@ class UpdateLog:
         except BaseException:
             with self._mu:
                 self._spilling.discard(round)
+                self._spills_idle.notify_all()
             raise
 
     def _spill_guarded(self, round: int) -> bool:
@@ -513,6 +529,7 @@ class UpdateLog:
         finally:
             with self._mu:
                 self._spilling.discard(round)
+                self._spills_idle.notify_all()
 
     def _spill(self, round: int) -> bool:
         """Worker thread: write ``round``'s raw aggregate to a file and keep only its header (True), unless it was

@@ -20,7 +20,7 @@ SEQ = 32
 
 def _trainer(base, ds, flat: bool) -> InnerTrainer:
     t = InnerTrainer(copy.deepcopy(base), ds, seq_len=SEQ, lr=1e-3, weight_decay=0.1, total_steps=50)
-    t._grads.enabled = t._grads.enabled and flat
+    t.grads.enabled = t.grads.enabled and flat
     return t
 
 
@@ -36,7 +36,7 @@ def test_bitwise_equal_to_fresh_tensors_and_reused_across_rounds(micro_batch):
     base = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
     theta = flat_params(base)
     flat, fresh = _trainer(base, ds, True), _trainer(base, ds, False)
-    assert flat._grads.enabled and fresh.update_buffer() is None
+    assert flat.grads.enabled and fresh.update_buffer() is None
     ptrs = []
     for r in range(3):
         d_flat, d_fresh = _round(flat, theta, r, micro_batch), _round(fresh, theta, r, micro_batch)
@@ -51,7 +51,7 @@ def test_bitwise_equal_to_fresh_tensors_and_reused_across_rounds(micro_batch):
         theta = theta - 0.5 * d_flat  # a stand-in outer step; the round's buffer is let go below
         del d_flat, d_fresh
     # rounds 1 and 2: one buffer, its storage the gradients' during the steps
-    assert len(set(ptrs)) == 1 and flat._grads.allocations == 1
+    assert len(set(ptrs)) == 1 and flat.grads.allocations == 1
 
 
 def test_a_held_update_is_never_overwritten():
@@ -64,7 +64,32 @@ def test_a_held_update_is_never_overwritten():
     kept = held.clone()
     nxt = _round(t, theta, 2)
     assert nxt.data_ptr() != held.data_ptr() and torch.equal(held, kept)
-    assert t._grads.allocations == 2
+    assert t.grads.allocations == 2
+
+
+def test_the_next_steps_wait_for_a_holder_that_lets_go_and_reuse_the_buffer():
+    # Issue 27 (session 45): the outer update's spill holds the aggregate (this buffer) past the commit; the next
+    # steps call wait_release (the node: UpdateLog.wait_spilled) before they would make a second [P]
+    ds = load_dataset(None, SEQ)
+    base = build_model("tiny", vocab_size=ds.vocab_size, seed=0)
+    theta = flat_params(base)
+    t = _trainer(base, ds, True)
+    _round(t, theta, 0)  # (the check step)
+    holder = {"update": _round(t, theta, 1)}
+    ptr, kept, calls = holder["update"].data_ptr(), holder["update"].clone(), []
+
+    def spilled() -> None:  # the write ends: the log keeps no tensor of it
+        calls.append(torch.equal(holder.pop("update"), kept))
+
+    t.grads.wait_release = spilled
+    assert _round(t, theta, 2).data_ptr() == ptr  # (not kept: the buffer is free for the next round)
+    assert calls == [True] and t.grads.allocations == 1
+    _round(t, theta, 3)  # nothing holds it this time: no call
+    assert calls == [True] and t.grads.allocations == 1
+    held = _round(t, theta, 4)
+    t.grads.wait_release = lambda: calls.append("timed out")  # a holder that does not let go in time: a fresh one
+    nxt = _round(t, theta, 5)
+    assert calls == [True, "timed out"] and nxt.data_ptr() != held.data_ptr() and t.grads.allocations == 2
 
 
 def test_storage_shared():

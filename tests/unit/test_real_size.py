@@ -15,6 +15,7 @@ from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.model.profile import profile_training
 from geomesh_p2p.plan import planner
+from geomesh_p2p.sync.server import UpdateLog
 from geomesh_p2p.round.rules import EXCHANGE_COST_STEP
 from tests.rules_util import make_rules
 from geomesh_p2p.model.build import build_model, flat_params, pseudo_gradient
@@ -168,9 +169,12 @@ def test_build_training_profiles_the_model_in_place_and_holds_the_budget(monkeyp
         identity=Identity.generate(),
     )
     node.transport = _FakeTransport()
-    node.state_server = types.SimpleNamespace(serve=lambda gs: seen.setdefault("served", gs))
+    node.state_server = types.SimpleNamespace(serve=lambda gs: seen.setdefault("served", gs), updates=UpdateLog())
     node._build_training()
     assert seen["model"] is node.model  # profiled in place, not on a deep copy
+    # session 45: the next steps and verified work's early write wait for the outer update's spill (none here)
+    wait = node.trainer.grads.wait_release
+    assert wait is not None and node.verified.before_early_write is wait and wait() is True
     assert seen["budget"] == 6 << 30
     # the rest of the run's static memory (issue 27), fp32: global weights + Nesterov momentum (8 B/param), a
     # verified-work check's weights + gradients (8, relay mode), and its kept contributions: 3 rounds x 2

@@ -188,8 +188,8 @@ def test_an_out_of_memory_retry_does_not_keep_the_gradients_buffer_beside_fresh_
     t = InnerTrainer(copy.deepcopy(base), ds, seq_len=SEQ, lr=1e-3, weight_decay=0.1, total_steps=50)
     _round(t, theta, 0)
     _round(t, theta, 1)  # the buffer in use
-    assert t._grads._buf is not None
-    old = weakref.ref(t._grads._buf)
+    assert t.grads._buf is not None
+    old = weakref.ref(t.grads._buf)
     real, alive = t.accumulate_grad, []
 
     def accumulate_grad(batch, mb):

@@ -58,12 +58,12 @@ def test_the_clip_sees_no_gradient_where_the_step_did_not_reach_a_parameter(micr
     out = []
     for flat in (True, False):
         t = InnerTrainer(copy.deepcopy(base), ds, seq_len=SEQ, lr=1e-2, weight_decay=0.1, grad_clip=1e-3)
-        t._grads.enabled = t._grads.enabled and flat
+        t.grads.enabled = t.grads.enabled and flat
         t.run(round=0, inner_steps=2, batch_size=4, micro_batch=micro_batch)
         t.model.use_skip = False
         for r in (1, 2):
             t.run(round=r, inner_steps=3, batch_size=4, micro_batch=micro_batch)
-        assert t._grads.enabled == flat and t._grads.allocations == (1 if flat else 0)
+        assert t.grads.enabled == flat and t.grads.allocations == (1 if flat else 0)
         out.append(torch.cat([p.detach().reshape(-1) for p in t.model.parameters()]))
     assert torch.equal(out[0], out[1])
 
@@ -109,15 +109,15 @@ def test_a_dropped_trainer_frees_its_model_and_gradient_buffer():
         return t
 
     t = trained(copy.deepcopy(base))
-    assert t._grads._buf is not None and all(len(p._post_accumulate_grad_hooks) == 1 for p in t.model.parameters())
-    held = [weakref.ref(x) for x in (t._grads, t._grads._buf, next(t.model.parameters()))]
+    assert t.grads._buf is not None and all(len(p._post_accumulate_grad_hooks) == 1 for p in t.model.parameters())
+    held = [weakref.ref(x) for x in (t.grads, t.grads._buf, next(t.model.parameters()))]
     del t
     gc.collect()
     assert [w() for w in held] == [None] * 3
 
     model = copy.deepcopy(base)
     t = trained(model)
-    held = [weakref.ref(t._grads), weakref.ref(t._grads._buf)]
+    held = [weakref.ref(t.grads), weakref.ref(t.grads._buf)]
     del t
     gc.collect()
     assert [w() for w in held] == [None, None]

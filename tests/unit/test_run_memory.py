@@ -225,6 +225,8 @@ def test_start_weights_written_early_are_taken_unless_changed_and_untaken_ones_g
     puts: list[int] = []
     put = store.put
     store.put = lambda r, t: (puts.append(r), put(r, t))[1]  # type: ignore[method-assign]
+    # session 45: an early write first waits (in its thread) for the node's outer-update spill
+    vw.before_early_write = lambda: puts.append(-1)
     ar = types.SimpleNamespace(contributions={"peer": {0: object()}}, part_ranges=[(0, 300)])
 
     async def rounds() -> dict[int, list[int]]:
@@ -254,7 +256,7 @@ def test_start_weights_written_early_are_taken_unless_changed_and_untaken_ones_g
         return want
 
     want = asyncio.run(rounds())
-    assert puts == [4, 5, 6, 6, 7, 8]
+    assert puts == [4, -1, 5, -1, 6, 6, -1, 7, -1, 8]  # the early writes (5-8) after the wait, the keeps' without
     for r in (4, 5, 6):
         kept = wv.kept_theta(r)
         assert kept is not None and _bits(kept) == want[r]

@@ -191,3 +191,45 @@ def test_a_screen_takes_up_to_passes_per_step_passes_before_a_waiting_step(per_s
     # every burst of passes between two steps is at most per_step long (the first one: the pass held at the start
     # plus per_step - 1 more), and a step comes after each
     assert runs and max(runs) <= per_step and runs.count(per_step) >= len(runs) - 1, runs
+
+
+def _until(cond) -> None:
+    """Wait (bounded) until ``cond()``: another thread reached its wait."""
+    for _ in range(2000):
+        if cond():
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError("the other thread never got there")
+
+
+def test_a_hold_keeps_new_passes_out_and_never_waits_for_the_pass_under_way():
+    # Issue 27 (session 45): the round's outer step and commit hold the turns; a pass that started before goes on
+    turns, order = Turns(), []
+    turns.take_check()  # a pass under way
+    with turns.hold():  # entered at once all the same
+        order.append("held")
+        turns.give_check()
+
+        def check() -> None:
+            turns.take_check()
+            order.append("pass")
+            turns.give_check()
+
+        t = threading.Thread(target=check)
+        t.start()
+        _until(lambda: turns._check_waits)  # the next pass asks for the turn while the hold lasts
+        order.append("hold ends")
+    t.join(10)
+    assert not t.is_alive() and order == ["held", "hold ends", "pass"]
+    # holds nest: the pass waits for the outer one
+    with turns.hold():
+        with turns.hold():
+            pass
+        t = threading.Thread(target=check)
+        t.start()
+        _until(lambda: turns._check_waits)
+        order.append("outer hold ends")
+    t.join(10)
+    assert order[3:] == ["outer hold ends", "pass"]
+    with turns.step():  # a hold does not touch the steps' side
+        pass

@@ -102,6 +102,10 @@ class VerifiedWork:
         #: (round, θ's version key when it was read, the write task) of the start weights written early (:meth:`after_commit`)
         self._early: Optional[tuple[int, tuple[int, int], asyncio.Future]] = None
         self._done_round = -1  # the newest round whose row is out (round_done)
+        #: called in the early write's thread before it writes (:meth:`after_commit`): the node waits there for the
+        #: outer update's spill, which the next steps wait for, so the two writes do not share the core in that
+        #: gap (issue 27, session 45)
+        self.before_early_write: Callable[[], object] = lambda: None
         self._round_done_ev: Optional[asyncio.Event] = None
 
     def verdicts(self) -> verify.Verdicts:
@@ -207,7 +211,13 @@ class VerifiedWork:
             return
         theta = self._global_theta()
         key = _version_key(theta)
-        task = asyncio.ensure_future(asyncio.to_thread(wv.kept_weights.put, r, theta))
+        wait = self.before_early_write
+
+        def write() -> int:
+            wait()
+            return wv.kept_weights.put(r, theta)
+
+        task = asyncio.ensure_future(asyncio.to_thread(write))
         task.add_done_callback(_say_early_failed)
         self._early = (r, key, task)
 
