@@ -31,6 +31,7 @@ from geomesh_p2p.round.ports import CheckHolder, EagerStatePort, SnapshotEvaluat
 if TYPE_CHECKING:
     from geomesh_p2p.exchange.client import AllReduceResult
     from geomesh_p2p.round.driver import RoundDriver
+    from geomesh_p2p.schema.peer import PeerRecord
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.peer.round")
@@ -409,12 +410,17 @@ async def check_digest(drv: RoundDriver, r: int, participants: Sequence[str]) ->
     finishing = finishing_until(drv, r, t0)
     backoff = drv.backoff()
     counted = -1
-    voters = list(participants)
+    voters = list(dict.fromkeys(participants))
+    settled: dict[str, PeerRecord] = {}  # voters whose record shows round r: their vote, not read again
     while True:
         # leaving peers count too (records_of includes them): their last record carries the digest they ended
         # the round with; a full read quorum, as the shared read's: a record missing from it is acted on (a
-        # vote not counted)
-        recs = [x for x in await drv.membership.records_of(voters, sampled=False) if x.peer_id in participants]
+        # vote not counted). Only the voters not yet at round r are read again: a poll's read shrinks as they
+        # announce (at most --full-view-peers peers run this check, each reading <= the round's voters once).
+        wanted = [p for p in voters if p not in settled]
+        read = {x.peer_id: x for x in await drv.membership.records_of(wanted, sampled=False) if x.peer_id in wanted}
+        settled.update({p: x for p, x in read.items() if x.round == r and x.weights_digest})
+        recs = list(settled.values()) + [x for p, x in read.items() if p not in settled]
         majority, agree, total = digest_majority(drv.policy.digest_voters(recs), r, behind_digest(drv, r))
         if total >= len(participants):
             break

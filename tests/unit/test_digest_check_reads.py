@@ -67,8 +67,9 @@ async def test_a_record_announced_after_the_first_read_is_counted_at_the_next_re
     m = Voters(me, "a" * 32, {other: "a" * 32}, announce_at=3, r=5)
     drv = _driver(m, "a" * 32)
     assert await finish.check_digest(drv, 5, [me, other]) is True
-    # three reads, each of the voters only and from the full read quorum; the third saw the other's record
-    assert m.reads == [((me, other), False)] * 3
+    # three reads from the full read quorum: this peer's record shows round 5 at the first, so only the other is
+    # read again; the third saw the other's record
+    assert m.reads == [((me, other), False), ((other,), False), ((other,), False)]
     assert drv._confirmed_round == 5
 
 
@@ -77,5 +78,26 @@ async def test_a_majority_on_another_digest_is_still_a_mismatch():
     m = Voters(me, "a" * 32, {b: "b" * 32, c: "b" * 32}, announce_at=2, r=7)
     drv = _driver(m, "a" * 32)
     assert await finish.check_digest(drv, 7, [me, b, c]) is False
-    assert m.reads == [((me, b, c), False)] * 2
+    assert m.reads == [((me, b, c), False), ((b, c), False)]
     assert drv._confirmed_round == 0
+
+
+async def test_a_poll_reads_only_the_voters_not_yet_at_the_round():
+    """A voter whose record shows the round is not read again: at --full-view-peers peers the check's reads shrink
+    as the voters announce, rather than reading every voter's record at each poll."""
+    me, b, c = (str(Identity.generate().peer_id) for _ in range(3))
+
+    class Staggered(Voters):
+        async def records_of(self, peer_ids, *, sampled=True):
+            self.reads.append((tuple(peer_ids), sampled))
+            n = len(self.reads)
+            at = {me: 1, b: 1, c: 3}  # c announces round 9 at the third read
+            return [
+                peer_record(p, round=9 if n >= at[p] else 8, weights_digest="a" * 32 if n >= at[p] else "0" * 32)
+                for p in peer_ids
+            ]
+
+    m = Staggered(me, "a" * 32, {}, announce_at=1, r=9)
+    drv = _driver(m, "a" * 32)
+    assert await finish.check_digest(drv, 9, [me, b, c]) is True
+    assert m.reads == [((me, b, c), False), ((c,), False), ((c,), False)]
