@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def _plan(mode: str, steps: list[int]):
     rows = [SimpleNamespace(peer_id=f"p{k}", batch_size=4 + k, inner_steps=h) for k, h in enumerate(steps)]
-    return SimpleNamespace(mode=mode, seq_len=16, assignments=rows)
+    return SimpleNamespace(round=0, mode=mode, seq_len=16, assignments=rows)
 
 
 def test_peers_planned_at_least_min_steps_get_the_tokens_of_min_steps_steps_in_screened_modes():
@@ -110,7 +110,7 @@ def test_an_unscreenable_contribution_at_a_large_batch_counts_its_steps_at_the_m
         SimpleNamespace(peer_id="h1", batch_size=4, inner_steps=20, token_budget=20 * 4 * 16),
         SimpleNamespace(peer_id="h2", batch_size=8, inner_steps=12, token_budget=12 * 8 * 16),
     ]
-    plan = SimpleNamespace(mode="relay", seq_len=16, assignments=rows)
+    plan = SimpleNamespace(round=0, mode="relay", seq_len=16, assignments=rows)
     assert screen_token_cap(plan, "sign") == {"big": 1 * 4 * 16}  # lower median of (4, 4, 8, 256): 4
     assert _capped_budgets(plan, "sign") == {"big": 64, "slow": 192, "h1": 1280, "h2": 1536}
     assert screen_token_cap(SimpleNamespace(mode="reencode", seq_len=16, assignments=rows), "sign") == {}
