@@ -57,6 +57,7 @@ from typing import Collection, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from geomesh_p2p.config import method as _method
 from geomesh_p2p.plan.assign import PlanMeta, build_plan, probation_ids
 from geomesh_p2p.plan.bounds import bound_records, budget_limit, check_records, evidence_ceilings
 from geomesh_p2p.plan.cost import (
@@ -68,6 +69,7 @@ from geomesh_p2p.plan.cost import (
     step_and_comm,
 )
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
+from geomesh_p2p.plan.views import min_steps_of
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
 
@@ -245,12 +247,18 @@ def plan_round(
     if supported_tokens_per_s:
         models = _bound_by_evidence(recs, models, supported_tokens_per_s, cfg)
     s, c = step_and_comm(models)
-    H = inner_steps(np.float64(T), s, c, cfg)
-    ranks = [ranks_of(r) for r in recs]
-    H = _cap_budgets(models, H, cfg, ranks)
     probation = probation_ids(recs, probation)
+    # a contributor the round screens gets the steps its loss-gain test needs (session 45), before the caps (which
+    # keep them) so that the plan's median is the one the caps used (the followers' under-plan check recomputes it)
+    mode = _method.round_mode(cfg.mode, len(recs), cfg.method)
+    floors = [
+        min_steps_of(cfg, round=round, mode=mode, probation=m.peer_id in probation, batch_size=m.batch) for m in models
+    ]
+    H = np.maximum(inner_steps(np.float64(T), s, c, cfg), np.asarray(floors, dtype=np.int64))
+    ranks = [ranks_of(r) for r in recs]
+    H = _cap_budgets(models, H, cfg, ranks, floors)
     if probation:
-        H = _cap_budgets(models, _cap_probation(models, H, cfg, probation), cfg, ranks)
+        H = _cap_budgets(models, _cap_probation(models, H, cfg, probation, floors), cfg, ranks, floors)
     meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
     return build_plan(recs, models, H, T, cfg, meta, probation, equal=False)
 
@@ -291,35 +299,53 @@ def window_fit(record: PeerRecord, T: float, cfg: PlanConfig, ceiling: Optional[
     return int(min(max(raw, 0), cfg.max_inner_steps)), tokens
 
 
-def _cap_budgets(models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig, ranks: Sequence[int]) -> np.ndarray:
+def _cap_budgets(
+    models: Sequence[PeerModel],
+    H: np.ndarray,
+    cfg: PlanConfig,
+    ranks: Sequence[int],
+    floors: Optional[Sequence[int]] = None,
+) -> np.ndarray:
     """``H`` lowered so that no budget exceeds :func:`~geomesh_p2p.plan.bounds.budget_limit` of the
     lower-median budget (``BUDGET_MEDIAN_FACTOR`` x it, x ``ranks[i]`` for a multi-rank peer: the cap is per
-    device), never below ``min_inner_steps``. The lower median is unchanged by the cap (a capped budget stays
-    >= half the limit >= the median, since the factor is >= 2), so one pass suffices."""
+    device), never below each peer's fewest steps (``floors``: :func:`~geomesh_p2p.plan.views.min_steps_of`; None:
+    ``min_inner_steps``). The lower median is unchanged by the cap (a capped budget stays >= half the limit >= the
+    median, since the factor is >= 2), so one pass suffices."""
     step_tokens = [m.batch * cfg.seq_len for m in models]
     budgets = [int(h) * t for h, t in zip(H.tolist(), step_tokens)]
     median = statistics.median_low(budgets)
-    return _lowered_to(H, step_tokens, [budget_limit(median, k) for k in ranks], range(len(models)), cfg)
+    limits = [budget_limit(median, k) for k in ranks]
+    return _lowered_to(H, step_tokens, limits, range(len(models)), _floors(cfg, models, floors))
+
+
+def _floors(cfg: PlanConfig, models: Sequence[PeerModel], floors: Optional[Sequence[int]]) -> list[int]:
+    """Each peer's fewest steps: ``floors``, or ``cfg.min_inner_steps`` for every one."""
+    return [cfg.min_inner_steps] * len(models) if floors is None else [int(f) for f in floors]
 
 
 def _lowered_to(
-    H: np.ndarray, step_tokens: Sequence[int], limits: Sequence[float], among: Iterable[int], cfg: PlanConfig
+    H: np.ndarray, step_tokens: Sequence[int], limits: Sequence[float], among: Iterable[int], floors: Sequence[int]
 ) -> np.ndarray:
     """A copy of ``H`` in which each peer of index ``i`` in ``among`` whose budget ``H_i x step_tokens_i``
-    exceeds ``limits[i]`` tokens gets ``floor(limits[i] / step_tokens_i)`` steps, never below ``min_inner_steps``."""
+    exceeds ``limits[i]`` tokens gets ``floor(limits[i] / step_tokens_i)`` steps, never below ``floors[i]``."""
     out = H.copy()
     for i in among:
         t, limit = step_tokens[i], limits[i]
         if int(H[i]) * t > limit:
-            out[i] = max(cfg.min_inner_steps, math.floor(limit / t))
+            out[i] = max(int(floors[i]), math.floor(limit / t))
     return out
 
 
 def _cap_probation(
-    models: Sequence[PeerModel], H: np.ndarray, cfg: PlanConfig, probation: Collection[str]
+    models: Sequence[PeerModel],
+    H: np.ndarray,
+    cfg: PlanConfig,
+    probation: Collection[str],
+    floors: Optional[Sequence[int]] = None,
 ) -> np.ndarray:
     """``H`` lowered so that no probation peer's budget exceeds ``PROBATION_BUDGET_FACTOR`` x the
-    lower-median budget of the established peers, never below ``min_inner_steps``."""
+    lower-median budget of the established peers, never below each peer's fewest steps (``floors``, as
+    :func:`_cap_budgets`)."""
     if not probation:
         return H
     step_tokens = [m.batch * cfg.seq_len for m in models]
@@ -328,4 +354,4 @@ def _cap_probation(
         return H
     limit = PROBATION_BUDGET_FACTOR * statistics.median_low(est)
     among = [i for i, m in enumerate(models) if m.peer_id in probation]
-    return _lowered_to(H, step_tokens, [limit] * len(models), among, cfg)
+    return _lowered_to(H, step_tokens, [limit] * len(models), among, _floors(cfg, models, floors))

@@ -58,6 +58,7 @@ from geomesh_p2p.plan.views import (
     link_slowdown,
     lowest_ceilings,
     min_steps_tokens,
+    plan_min_steps,
     records_at_stated_links,
     throughput_problem,
 )
@@ -277,7 +278,8 @@ def check_plan(
     * batch: ``micro_batch`` within the record's bounded ``max_batch`` (:func:`bound_records`:
       what it announces, at most ``BATCH_SPREAD_CAP`` x the lower median, x ``ranks``); ``accum_steps`` exactly
       what ``target_batch`` implies; uniform methods: the same micro-batch for all, the fixed ``H``;
-    * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB). No peer is planned
+    * steps: every participant gets ``min_inner_steps..max_inner_steps`` (AWB), a contributor the round screens at
+      least the steps its loss-gain test needs (:func:`~geomesh_p2p.plan.views.min_steps_of`). No peer is planned
       with 0 steps: the stated rule for a peer that cannot keep up is to leave it out of the plan
       (``PlanRules.build_plan``: exchange or one sequence longer than half the window); and none far under what
       its window fits when no cap of the plan explains it (AWB, session 36: :func:`_under_plan_problem`);
@@ -325,10 +327,11 @@ def check_plan(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
-        if balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
+        if balanced and not plan_min_steps(a, cfg, plan) <= a.inner_steps <= cfg.max_inner_steps:
             return ContentRefusal(
-                f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
-                " (a peer that cannot keep up is left out of the plan, not given 0 steps)"
+                f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan)}..{cfg.max_inner_steps}"
+                " (a peer that cannot keep up is left out of the plan, not given 0 steps; a screened one gets the"
+                " screen's steps)"
             )
         want = rank_micro(peer_uniform_micro(micro_u, r), r)
         if not balanced and a.inner_steps != uniform_H:
@@ -355,7 +358,7 @@ def check_plan(
     if now - plan.created_at > MAX_PLAN_AGE_S:
         return _too_old(plan, now)
     for a in plan.assignments:
-        reason = throughput_problem(a, by_id[a.peer_id], cfg, T, balanced, "its bounded throughput")
+        reason = throughput_problem(a, by_id[a.peer_id], cfg, plan, balanced, "its bounded throughput")
         if reason is not None:
             return reason
     ranks = {r.peer_id: ranks_of(r) for r in recs}
@@ -427,9 +430,9 @@ def check_plan_sampled(
     T = plan.window_s
     for a in plan.assignments:
         who = a.peer_id[:10]
-        if rule.balanced and not cfg.min_inner_steps <= a.inner_steps <= cfg.max_inner_steps:
+        if rule.balanced and not plan_min_steps(a, cfg, plan) <= a.inner_steps <= cfg.max_inner_steps:
             return ContentRefusal(
-                f"{a.inner_steps} inner steps for {who}, outside {cfg.min_inner_steps}..{cfg.max_inner_steps}"
+                f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan)}..{cfg.max_inner_steps}"
             )
         if not rule.balanced and a.inner_steps != rule.uniform_inner_steps:
             return ContentRefusal(
@@ -453,7 +456,7 @@ def check_plan_sampled(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
-        reason = throughput_problem(a, r, cfg, T, rule.balanced, "its record")
+        reason = throughput_problem(a, r, cfg, plan, rule.balanced, "its record")
         if reason is not None:
             return reason
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
@@ -517,7 +520,7 @@ def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> 
     for a in plan.assignments:
         who, k = a.peer_id[:10], ranks.get(a.peer_id, 1)
         limit, share = budget_limit(median, k), max_token_share(len(budgets), k)
-        floor = min_steps_tokens(a, cfg)
+        floor = min_steps_tokens(a, cfg, plan)
         devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
             out[a.peer_id] = (
@@ -553,7 +556,7 @@ def _evidence_problem(
     own = evidence_ceilings(plan.participants(), supported)
     for a in plan.assignments:
         limit = PLAN_CHECK_TOLERANCE * ceilings[a.peer_id][1] * T
-        floor = min_steps_tokens(a, cfg)
+        floor = min_steps_tokens(a, cfg, plan)
         if a.token_budget > max(limit, floor):
             rate = (supported or {}).get(a.peer_id)
             basis = f"{rate:.0f} tokens/s delivered last round" if rate else "a newcomer: the median delivered rate"
@@ -564,7 +567,7 @@ def _evidence_problem(
     # a leader's map lacks one entry at most: one rated peer planned over its own ceiling (red team 37b: every one)
     rated = usable_rates(supported)
     over = [a.peer_id for a in plan.assignments if a.peer_id in rated and a.token_budget > max(
-        PLAN_CHECK_TOLERANCE * own[a.peer_id] * T, min_steps_tokens(a, cfg))]  # fmt: skip
+        PLAN_CHECK_TOLERANCE * own[a.peer_id] * T, min_steps_tokens(a, cfg, plan))]  # fmt: skip
     if len(over) > 1:
         return f"{len(over)} peers ({', '.join(p[:10] for p in over[:4])}) get more than their delivered work supports"
     return None
@@ -609,7 +612,7 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     for a in marked:
         if a.owns_part:
             return ContentRefusal(f"{a.peer_id[:10]} is on probation and owns a part")
-        floor = min_steps_tokens(a, cfg)
+        floor = min_steps_tokens(a, cfg, plan)
         if a.token_budget > max(limit, floor):
             return ContentRefusal(
                 f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional, Sequence
 
+from geomesh_p2p.config.method import COMPRESSED_METHODS
 from geomesh_p2p.plan.bounds import (
     RECORD_VIEW_TOLERANCE,
     UNDER_PLAN_LINK_TOLERANCE,
@@ -21,25 +22,55 @@ from geomesh_p2p.plan.bounds import (
 from geomesh_p2p.plan.cost import comm_time, interpolate_tokens_per_s
 from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
+
+#: Exchange modes whose contributions verified work screens (every reader, or the validators, hold them signed).
+SCREENED_MODES = ("relay", "accountable")
 
 
-def min_steps_tokens(a: PeerAssignment, cfg: PlanConfig) -> int:
-    """Tokens of ``min_inner_steps`` steps of assignment ``a``'s own batch: a budget every throughput ceiling
-    accepts, as the median rule does. The leader gives a peer at least that many steps
-    (:func:`~geomesh_p2p.plan.cost.inner_steps`) even where the window, capped at ``cfg.max_window_s``, holds
-    fewer (the train deadline then stops it early): with a minimum of 5 steps (issue 28's screened minimum, tried
-    in session 33 and not on by default), a slow peer the exclusion rule keeps (never fewer than 2 peers) was over
-    the throughput ceiling, and every follower, the leader too, refused every honest plan of that swarm
-    (tests/unit/test_planner.py)."""
-    return cfg.min_inner_steps * int(a.batch_size) * cfg.seq_len
+def min_steps_of(cfg: PlanConfig, *, round: int, mode: str, probation: bool, batch_size: int) -> int:
+    """The fewest inner steps an AWB leader plans for a peer of round ``round`` (the plan's ``mode``, the peer marked
+    ``probation``, at ``batch_size`` sequences a step): ``cfg.min_inner_steps``, and for a contributor that round's
+    screen covers (relay and accountable rounds of a sign-compressed method: :func:`~geomesh_p2p.trust.verify_task.
+    screened_in_round`) the steps its loss-gain test needs to decide (:func:`~geomesh_p2p.trust.verify_task.
+    screen_steps`: ``gain_min_tokens`` in whole steps, at least ``min_steps``), at most ``cfg.max_inner_steps``.
+    A function of the plan and the run config alone: every follower recomputes it (``check_plan``).
+
+    Why (session 45): the contribution of a screened peer planned under the gain test's floor counted in the
+    aggregate and could never be decided; planned these steps, its claim must reach the floor to count
+    (``round.rules.spec.screen_token_floor``)."""
+    k = int(cfg.min_inner_steps)
+    if cfg.method in COMPRESSED_METHODS and mode in SCREENED_MODES:
+        screen = screen_steps(
+            VerifyConfig(), round=round, probation=probation, batch_size=batch_size, seq_len=cfg.seq_len
+        )
+        k = max(k, min(screen, int(cfg.max_inner_steps)))
+    return k
+
+
+def plan_min_steps(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan) -> int:
+    """:func:`min_steps_of` for assignment ``a`` of ``plan``."""
+    return min_steps_of(cfg, round=plan.round, mode=plan.mode, probation=a.probation, batch_size=a.batch_size)
+
+
+def min_steps_tokens(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan) -> int:
+    """Tokens of the fewest steps of assignment ``a``'s own batch the leader plans for it (:func:`plan_min_steps`:
+    ``min_inner_steps``, more for a contributor its round screens): a budget every throughput ceiling accepts, as
+    the median rule does. The leader gives a peer at least that many steps (:func:`~geomesh_p2p.plan.cost.
+    inner_steps`, :func:`~geomesh_p2p.plan.awb.plan_round`) even where the window, capped at ``cfg.max_window_s``,
+    holds fewer (the train deadline then stops it early, a screened peer's token floor a grace later): with a
+    minimum of 5 steps (issue 28's screened minimum, tried in session 33 and not on by default), a slow peer the
+    exclusion rule keeps (never fewer than 2 peers) was over the throughput ceiling, and every follower, the leader
+    too, refused every honest plan of that swarm (tests/unit/test_planner.py)."""
+    return plan_min_steps(a, cfg, plan) * int(a.batch_size) * cfg.seq_len
 
 
 def throughput_problem(
-    a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, T: float, balanced: bool, basis: str
+    a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, plan: RoundPlan, balanced: bool, basis: str
 ) -> Optional[str]:
-    """Why assignment ``a``'s token budget cannot be trained in the window ``T`` (seconds), or None: over
+    """Why assignment ``a``'s token budget cannot be trained in ``plan``'s window ``T`` (seconds), or None: over
     ``RECORD_VIEW_TOLERANCE`` x ``record``'s best tokens/s x ``T``, or (``balanced``: AWB; uniform methods fix the
-    micro-batch) over the same at its tokens/s *at the planned micro-batch*, unless it is ``min_inner_steps`` steps
+    micro-batch) over the same at its tokens/s *at the planned micro-batch*, unless it is its fewest steps
     of its batch (:func:`min_steps_tokens`). ``basis`` names the record in the reason ("its record").
     View-dependent: a plain reason.
 
@@ -51,7 +82,8 @@ def throughput_problem(
     The micro-batch bound is red team 36's B1: a rogue leader planned honest peers at micro-batch 1 x 32
     accumulation steps with the budgets their best micro-batch fits; at 0.21x the speed the deadline stopped them at
     a fifth of it, and the leader and its partner took 79 % of the round's tokens (41.5 % honest)."""
-    floor = min_steps_tokens(a, cfg)
+    T = plan.window_s
+    floor = min_steps_tokens(a, cfg, plan)
     ceiling = max(RECORD_VIEW_TOLERANCE * record.best_tokens_per_s() * T, floor)
     if a.token_budget > ceiling:
         return f"token budget {a.token_budget} for {a.peer_id[:10]} exceeds the {ceiling:.0f} {basis} supports in {T:.3g} s"
@@ -114,12 +146,12 @@ def compute_problems(
 ) -> Optional[str]:
     """The first :func:`compute_problem` of ``plan``'s participants with a record in ``records`` (``lowest``: peer id
     -> its ``lowest``, :func:`lowest_ceilings`), after, for AWB plans (``balanced``) and every participant, a predicted compute over
-    the window at more than ``min_inner_steps`` steps: AWB fits ``floor((T - c) / s)`` steps and its caps only lower
+    the window at more than its fewest steps (:func:`plan_min_steps`): AWB fits ``floor((T - c) / s)`` steps and its caps only lower
     them, so only the raised minimum runs past the window (plan and config alone; a light follower's lower bound on
     the rate of the participants it did not sample)."""
     if balanced:
         for a in plan.assignments:
-            if a.inner_steps > cfg.min_inner_steps and a.predicted_compute_s > plan.window_s * (1 + 1e-6):
+            if a.inner_steps > plan_min_steps(a, cfg, plan) and a.predicted_compute_s > plan.window_s * (1 + 1e-6):
                 return (
                     f"{a.peer_id[:10]}'s predicted compute {a.predicted_compute_s:.4g} s of {a.inner_steps} steps "
                     f"exceeds the {plan.window_s:.3g} s window"

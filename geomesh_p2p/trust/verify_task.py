@@ -31,6 +31,8 @@ __all__ = [
     "CHECK",
     "SCREEN",
     "screen_candidates",
+    "screened_in_round",
+    "screen_steps",
     "sample_probability",
     "sampled_candidates",
     "gain_order",
@@ -358,8 +360,36 @@ def screen_candidates(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int
     r = int(plan.round)
     if r < cfg.gain_first_round:  # the loss-gain test has no power on a fresh model's first updates
         return []
-    early = r < cfg.gain_first_round + cfg.screen_rounds
-    return sorted(a.peer_id for a, _, _ in _eligible(cfg, plan, packets) if early or getattr(a, "probation", False))
+    return sorted(
+        a.peer_id
+        for a, _, _ in _eligible(cfg, plan, packets)
+        if screened_in_round(cfg, r, bool(getattr(a, "probation", False)))
+    )
+
+
+def screened_in_round(cfg: VerifyConfig, round: int, probation: bool) -> bool:
+    """Whether a checkable contribution to round ``round`` of a contributor its plan marks ``probation`` is screened
+    (:func:`screen_candidates`' rule before eligibility): from ``cfg.gain_first_round`` on, every contributor in the
+    ``cfg.screen_rounds`` rounds from it, later those on probation. Known from the plan alone, so the leader can plan
+    them the screen's steps (:func:`screen_steps`) and every participant gives them the same token floor."""
+    r = int(round)
+    return r >= cfg.gain_first_round and (r < cfg.gain_first_round + cfg.screen_rounds or bool(probation))
+
+
+def screen_steps(cfg: VerifyConfig, *, round: int, probation: bool, batch_size: int, seq_len: int) -> int:
+    """Fewest inner steps (at ``batch_size`` x ``seq_len`` tokens a step) that a contribution to ``round`` screened
+    in it (:func:`screened_in_round`) must hold for its loss-gain test to decide: ``max(cfg.min_steps,
+    ceil(cfg.gain_min_tokens / (batch_size x seq_len)))``; 0 for a contribution the round does not screen.
+
+    Why (session 45): the gain test decides nothing under ``gain_min_tokens`` (1,792), the draws' eligibility starts
+    at ``min_steps`` (5): a screened contributor planned 5-6 steps at batch 8 x 32 (1,280-1,536 tokens) weighed its
+    whole claim in the aggregate and could never be decided (the backdoor poisoner never excluded in 3 of 8 runs of
+    session 44). The leader plans screened contributors at least these steps (``plan.views.min_steps_of``) and their
+    claims under them count 0 tokens (``round.rules.spec.screen_token_floor``)."""
+    if not screened_in_round(cfg, round, probation):
+        return 0
+    per_step = max(1, int(batch_size) * int(seq_len))
+    return max(int(cfg.min_steps), -(-int(cfg.gain_min_tokens) // per_step))
 
 
 #: Forward passes a training step costs (forward and backward: ~3 forwards' FLOPs), for the sampled screens' budget.

@@ -1,6 +1,7 @@
 """Ctrl+C on 2 of 3 peers at the same moment, mid-round (a fresh user's trial, session 35): 3 in-process
 :class:`~geomesh_p2p.node.peer.PeerNode`\\ s (tiny model, geomesh in relay mode: sign pushes, so every peer planned
-``VerifyConfig.min_steps`` steps or more has a token floor; the real DHT, plans, collective, state and trainer) on
+``VerifyConfig.min_steps`` steps or more has a token floor, in the screened round 2 the loss-gain test's: 14 steps
+at batch 4 x 32; the real DHT, plans, collective, state and trainer) on
 127.0.0.1. Two of them are asked to stop (``request_stop``, what the CLI's SIGINT handler calls) right after the
 first inner step of round ``STOP_ROUND``; the third trains on.
 
@@ -34,7 +35,7 @@ from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.round import gather as gather_phase
 from geomesh_p2p.round.policy import NodeRoundPolicy
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.trust.verify_task import VerifyConfig
+from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
@@ -176,14 +177,14 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
     assert len({rows[n.me][r].digest for n in nodes}) == 1, f"round {r}: digests differ"
     assert all(rows[n.me][r].digest_agree is True for n in nodes)
     assert rows[nodes[1].me][r].digest != rows[nodes[1].me][r - 1].digest, "the stop round changed no weight"
-    floor = VerifyConfig.min_steps
     for me in stoppers:
         row = rows[me][r]
-        # each stopper had a token floor (planned min_steps or more), and its stop held once the floor's steps ran
+        floor = floor_steps_of(row, run_cfg.seq_len)
+        # each stopper had a token floor (planned that many steps or more), and its stop held once the floor's steps ran
         assert row.inner_steps_planned > floor, (me[:8], row.inner_steps_planned)
         assert row.inner_steps_done == floor, (me[:8], row.inner_steps_done, row.inner_steps_planned)
     survivor = rows[nodes[1].me][r]
-    assert survivor.inner_steps_done >= floor
+    assert survivor.inner_steps_done >= floor_steps_of(survivor, run_cfg.seq_len)
     # Every peer aggregated every part from all three contributions, each with the tokens its steps trained.
     batch = {me: rows[me][r].batch_size for me in rows}
     done = {me: rows[me][r].inner_steps_done for me in rows}
@@ -194,6 +195,14 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
     said = [rec.getMessage() for rec in caplog.records]
     assert not [m for m in said if f"round {r}:" in m and "aggregated" in m and "no token" in m], said
     assert not [m for m in said if f"round {r}: no part aggregated" in m], said
+
+
+def floor_steps_of(row, seq_len: int) -> int:
+    """The steps of ``row``'s token floor in the stop round: ``min_steps``, or in a round that screens every
+    contributor (``STOP_ROUND`` 2, session 45) the loss-gain test's ``gain_min_tokens`` in whole steps of its batch
+    (14 at batch 4 x 32)."""
+    steps = screen_steps(VerifyConfig(), round=row.round, probation=False, batch_size=row.batch_size, seq_len=seq_len)
+    return max(VerifyConfig.min_steps, steps)
 
 
 async def test_a_survivor_still_gathering_when_both_others_leave_follows_the_plan_naming_it(tmp_path, monkeypatch):
@@ -224,14 +233,15 @@ async def test_a_survivor_still_gathering_when_both_others_leave_follows_the_pla
     assert len({rows[n.me][r].digest for n in nodes}) == 1, f"round {r}: digests differ"
     assert all(rows[n.me][r].digest_agree is True for n in nodes)
     assert rows[survivor][r].digest != rows[survivor][r - 1].digest, "the stop round changed no weight"
-    floor = VerifyConfig.min_steps
-    assert all(rows[me][r].inner_steps_done == floor for me in stoppers), [rows[me][r] for me in stoppers]
     seq_len = nodes[0].run_cfg.seq_len
+    assert all(rows[me][r].inner_steps_done == floor_steps_of(rows[me][r], seq_len) for me in stoppers), [
+        rows[me][r] for me in stoppers
+    ]
 
     def counted(me: str) -> int:
         # a contribution under its token floor counts 0 tokens (round.rules.spec.screen_token_floor)
         done = rows[me][r].inner_steps_done
-        return done * rows[me][r].batch_size * seq_len if done >= floor else 0
+        return done * rows[me][r].batch_size * seq_len if done >= floor_steps_of(rows[me][r], seq_len) else 0
 
     want = sorted((me, counted(me)) for me in rows)
     for n in nodes:

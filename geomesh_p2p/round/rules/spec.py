@@ -11,7 +11,7 @@ from geomesh_p2p import exchange as collective
 from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.trust import probation as pb
-from geomesh_p2p.trust.verify_task import VerifyConfig
+from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import RunConfig
@@ -86,12 +86,36 @@ def screen_token_floor(plan, push_encoding: str) -> dict[str, int]:
     the floor now counts 0 tokens (:meth:`~geomesh_p2p.exchange.partition.CollectiveSpec.counted_tokens`): what no
     check can screen has no weight. An honest peer reaches it unless the deadline stopped it within its first
     ``min_steps`` steps; that round's work (fewer than ``min_steps`` steps) is then left out and counts as no
-    delivered work (:class:`~geomesh_p2p.round.rules.profiling.Reprofiler` evidence), as a straggler's would."""
+    delivered work (:class:`~geomesh_p2p.round.rules.profiling.Reprofiler` evidence), as a straggler's would.
+
+    A contributor its round screens (``verify_task.screened_in_round``: rounds 2-4, later those on probation) has
+    the loss-gain test's floor instead where the plan gives it that many steps: whole steps of at least
+    ``VerifyConfig.gain_min_tokens`` (``verify_task.screen_steps``; session 45: a screened claim the gain test cannot
+    decide has no weight). An AWB leader plans such a contributor at least those steps (``plan.views.min_steps_of``,
+    followers refuse fewer), so only a run whose ``max_inner_steps`` or uniform ``H`` holds fewer keeps ``min_steps``."""
     if push_encoding != "sign" or plan.mode not in ("relay", "accountable"):
         return {}
     steps = VerifyConfig.min_steps
     L = int(plan.seq_len)
-    return {a.peer_id: steps * int(a.batch_size) * L for a in plan.assignments if int(a.inner_steps) >= steps}
+    return {
+        a.peer_id: max(steps, _screen_steps(plan, a)) * int(a.batch_size) * L
+        for a in plan.assignments
+        if int(a.inner_steps) >= steps
+    }
+
+
+def _screen_steps(plan, a) -> int:
+    """The steps of assignment ``a`` its round's screen needs to decide (``verify_task.screen_steps``), where the
+    plan gives it that many (0 where it screens none of ``a`` or plans fewer: a run whose ``max_inner_steps`` or
+    uniform ``H`` holds fewer, the same for every peer, keeps the ``min_steps`` floor)."""
+    k = screen_steps(
+        VerifyConfig(),
+        round=int(plan.round),
+        probation=bool(getattr(a, "probation", False)),
+        batch_size=int(a.batch_size),
+        seq_len=int(plan.seq_len),
+    )
+    return k if int(a.inner_steps) >= k else 0
 
 
 def screen_token_cap(plan, push_encoding: str) -> dict[str, int]:
