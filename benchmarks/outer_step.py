@@ -61,8 +61,13 @@ def main() -> None:
         checked_s = best_of(lambda: outer_step_per_part(outer, theta, agg, ranges, 1), n=2)
         optim.FUSED_BOUND = bound
         whole_s = best_of(lambda: outer.step(theta, agg))
+        # the sign-compressed methods' momentum clip (run config outer_momentum_clip, 2.0): block maxima + a clamp
+        clipped = OuterNesterov(0.7, 0.9, momentum_clip=2.0, block_size=2048)
+        clipped.buf = outer.buf.clone()
+        clip_s = best_of(lambda: outer_step_per_part(clipped, theta, agg, ranges, 1))
         rows += [
             ("outer_step_per_part, fused in place (now)", fused_s),
+            ("the same with the momentum clip (geomesh, css)", clip_s),
             ("outer_step_per_part, copy-and-check (before)", checked_s),
             ("OuterNesterov.step, whole vector", whole_s),
         ]
