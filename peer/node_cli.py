@@ -289,55 +289,34 @@ def join_inputs(ns: argparse.Namespace, prog: str):
 def check_memory(run, cfg) -> None:
     """``--memory-budget-gb`` against the whole run's static memory, at start (before the proof of work and
     the DHT join): the parameters counted on torch's meta device (no weights), the estimate of
-    :func:`geomesh_p2p.node.training.check_memory_budget` on the device ``--device`` picks. A multi-rank peer
-    (``--local-devices``, torchrun) is checked as its node checks it (:func:`geomesh_p2p.node.training.
-    choose_rank_training`): one rank's share of the budget, whole copy or sharded, on the ranks' device. Nothing
-    without a budget. Raises UserFacingError (one line naming ``--memory-budget-gb``) when the budget cannot hold
-    it, ValueError for a bad rank layout (as :func:`rank_layout` says it)."""
+    :func:`geomesh_p2p.node.training.check_memory_budget` on the device ``--device`` picks. Nothing without
+    a budget, and nothing for a multi-rank peer (``--local-devices``, torchrun), whose node checks one rank's share
+    of the budget, whole copy or sharded (:func:`geomesh_p2p.node.training.choose_rank_training`), in one line too.
+    Raises UserFacingError (one line naming ``--memory-budget-gb``) when the budget cannot hold it."""
     if cfg.memory_budget_bytes is None:
         return
+    # Red team 45: the whole run checked against one rank's device refused budgets the node trains in sharded (two
+    # GPUs that each hold a shard, not a whole copy), and CPU ranks' refusals came from here, with this process's
+    # RSS and not the node's per-rank bytes (its message said neither "sharded" nor what a rank needs)
+    if cfg.local_devices or cfg.shard or "WORLD_SIZE" in os.environ:  # as rank_layout asks
+        from geomesh_p2p.node.ranks import layout_from
+
+        layout = layout_from(cfg)
+        if layout is not None and layout.world >= 2:
+            return
     import torch
 
     from geomesh_p2p.model.build import count_params
     from geomesh_p2p.model.profile import memory_in_use
-    from geomesh_p2p.model.run_memory import choose_sharding
-    from geomesh_p2p.node.ranks import layout_from
-    from geomesh_p2p.node.training import check_memory_budget, run_memory
+    from geomesh_p2p.node.training import check_memory_budget
 
     model = None if cfg.model_config_file else run.model
     n = count_params(model, cfg.model_config_file, vocab_size=run.vocab_size)
-    multi = bool(cfg.local_devices) or cfg.shard or "WORLD_SIZE" in os.environ  # as rank_layout asks
-    layout = layout_from(cfg) if multi else None
-    if layout is not None:
-        cuda = layout.device.startswith("cuda")
-    else:
-        auto = cfg.device == "auto"
-        cuda = cfg.device.startswith("cuda") or (auto and torch.cuda.is_available())
-    device_type = "cuda" if cuda else "cpu"
+    auto = cfg.device == "auto"
+    cuda = cfg.device.startswith("cuda") or (auto and torch.cuda.is_available())
     # on a CPU the budget bounds this process's RSS, Python and torch included (what the profile counts as in use)
     in_use = 0 if cuda else memory_in_use("cpu")
-    if layout is None or layout.world < 2:
-        check_memory_budget(run, cfg, n, device_type, in_use)
-        return
-    # Red team 45: the whole run against one rank's device refused a budget the node trains in sharded (two GPUs
-    # that each hold a shard, not a whole copy). As the node: rank 0 holds its whole model besides (4 B/param)
-    est, p = run_memory(run, cfg, n), 4 * n
-    try:
-        choose_sharding(
-            in_use + p,
-            p,
-            cfg.memory_budget_bytes // layout.device_share,
-            layout.world,
-            shard=cfg.shard,
-            optimizer_bytes=sum(i.bytes for i in est.items if i.name == "inner optimizer state"),
-            extra_bytes=est.profile_extra(device_type),
-        )
-    except ValueError as e:
-        raise UserFacingError(
-            f"--memory-budget-gb {cfg.memory_budget_bytes / 2**30:.3g}: cannot train "
-            f"{cfg.model_config_file or run.model} on {layout.world} ranks here: {e}; the budget is divided by the "
-            "ranks sharing a device: use a larger --memory-budget-gb, more ranks or a smaller --model"
-        ) from None
+    check_memory_budget(run, cfg, n, "cuda" if cuda else "cpu", in_use)
 
 
 def check_model(ns: argparse.Namespace) -> None:

@@ -88,7 +88,6 @@ IN_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     ("peer/node_cli.py", "geomesh_p2p.model.build"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.node.training"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.model.profile"): _CLI,
-    ("peer/node_cli.py", "geomesh_p2p.model.run_memory"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.sync.download"): _CLI,
     ("peer/node_cli.py", "geomesh_p2p.net.transport_config"): _CLI,
     ("peer/tools_cli.py", "geomesh_p2p.net.transport_config"): _CLI,
