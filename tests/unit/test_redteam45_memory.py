@@ -70,3 +70,18 @@ def test_cpu_ranks_are_left_to_the_nodes_check_per_rank(monkeypatch):
     # one device: refused at start, as before
     with pytest.raises(UserFacingError, match="--memory-budget-gb"):
         check_memory(run, NodeConfig(device="cpu", memory_budget_bytes=budget))
+
+
+def test_an_unreadable_rss_is_no_traceback_at_start(monkeypatch):
+    """Where this process's RSS cannot be read (no /proc/self/statm), the check at start counts the estimate alone
+    (``join_inputs`` reports ValueError and UserFacingError in one line; an OSError was a traceback)."""
+
+    def unreadable(device):
+        raise OSError("/proc/self/statm is not readable: cannot measure RSS on this system")
+
+    monkeypatch.setattr(geomesh_p2p.model.profile, "memory_in_use", unreadable)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = RunConfig(model="tiny")
+    check_memory(run, NodeConfig(device="cpu", memory_budget_bytes=2**30))
+    with pytest.raises(UserFacingError, match="--memory-budget-gb"):
+        check_memory(run, NodeConfig(device="cpu", memory_budget_bytes=2**20))
