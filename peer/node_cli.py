@@ -290,9 +290,20 @@ def check_memory(run, cfg) -> None:
     """``--memory-budget-gb`` against the whole run's static memory, at start (before the proof of work and
     the DHT join): the parameters counted on torch's meta device (no weights), the estimate of
     :func:`geomesh_p2p.node.training.check_memory_budget` on the device ``--device`` picks. Nothing without
-    a budget. Raises UserFacingError (one line naming ``--memory-budget-gb``) when the budget cannot hold it."""
+    a budget, and nothing for a multi-rank peer (``--local-devices``, torchrun), whose node checks one rank's share
+    of the budget, whole copy or sharded (:func:`geomesh_p2p.node.training.choose_rank_training`), in one line too.
+    Raises UserFacingError (one line naming ``--memory-budget-gb``) when the budget cannot hold it."""
     if cfg.memory_budget_bytes is None:
         return
+    # Red team 45: the whole run checked against one rank's device refused budgets the node trains in sharded (two
+    # GPUs that each hold a shard, not a whole copy), and CPU ranks' refusals came from here, with this process's
+    # RSS and not the node's per-rank bytes (its message said neither "sharded" nor what a rank needs)
+    if cfg.local_devices or cfg.shard or "WORLD_SIZE" in os.environ:  # as rank_layout asks
+        from geomesh_p2p.node.ranks import layout_from
+
+        layout = layout_from(cfg)
+        if layout is not None and layout.world >= 2:
+            return
     import torch
 
     from geomesh_p2p.model.build import count_params
@@ -303,8 +314,13 @@ def check_memory(run, cfg) -> None:
     n = count_params(model, cfg.model_config_file, vocab_size=run.vocab_size)
     auto = cfg.device == "auto"
     cuda = cfg.device.startswith("cuda") or (auto and torch.cuda.is_available())
-    # on a CPU the budget bounds this process's RSS, Python and torch included (what the profile counts as in use)
-    in_use = 0 if cuda else memory_in_use("cpu")
+    # on a CPU the budget bounds this process's RSS, Python and torch included (what the profile counts as in use);
+    # where it cannot be read (no /proc) the estimate alone, and the profile says why in one line (red team 45: a
+    # traceback here)
+    try:
+        in_use = 0 if cuda else memory_in_use("cpu")
+    except OSError:
+        in_use = 0
     check_memory_budget(run, cfg, n, "cuda" if cuda else "cpu", in_use)
 
 
