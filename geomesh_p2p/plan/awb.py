@@ -254,6 +254,7 @@ def plan_round(
     # honest peer reaches counted every claim of the round 0)
     mode = _method.round_mode(cfg.mode, len(recs), cfg.method)
     reach_s = T + floor_grace_of(T, cfg.exchange_timeout_s)
+    median_batch = statistics.median_low([m.batch for m in models])  # over it: no raise past the caps
     floors = [
         min_steps_of(
             cfg,
@@ -265,6 +266,7 @@ def plan_round(
             comm_s=m.comm_s,
             reach_s=reach_s,
             slack=FLOOR_REACH_SLACK,
+            median_batch=median_batch,
         )
         for m in models
     ]

@@ -10,6 +10,7 @@ newer or older than the follower's; a rogue leader may use the same slack (docs/
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Mapping, Optional, Sequence
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
@@ -68,6 +69,7 @@ def min_steps_of(
     comm_s: float = 0.0,
     reach_s: Optional[float] = None,
     slack: float = 0.0,
+    median_batch: Optional[int] = None,
 ) -> int:
     """The fewest inner steps an AWB leader plans for a peer of round ``round`` (the plan's ``mode``, the peer marked
     ``probation``, at ``batch_size`` sequences a step): ``cfg.min_inner_steps``, and for a contributor that round's
@@ -75,21 +77,28 @@ def min_steps_of(
     screened_in_round`) the steps its loss-gain test needs to decide (:func:`~geomesh_p2p.trust.verify_task.
     screen_steps`: ``gain_min_tokens`` in whole steps, at least ``min_steps``), at most ``cfg.max_inner_steps`` --
     unless, with ``step_s`` given (seconds a step; ``comm_s`` its exchange, ``reach_s`` the window plus the floor's
-    grace, :func:`floor_grace_of`), those steps end past ``(1 + slack) x reach_s``: then ``cfg.min_inner_steps``.
-    A function of the plan and the run config alone: every follower recomputes it (``check_plan``).
+    grace, :func:`floor_grace_of`), those steps end past ``(1 + slack) x reach_s``, or with ``median_batch`` given
+    (the plan's lower-median batch, sequences) ``batch_size`` is over it: then ``cfg.min_inner_steps``. A function of
+    the plan and the run config alone: every follower recomputes it (``check_plan``).
 
     Why (session 45): the contribution of a screened peer planned under the gain test's floor counted in the
     aggregate and could never be decided; planned these steps, its claim must reach the floor to count
     (``round.rules.spec.screen_token_floor``). The reach test (red team of session 45): a floor the deadline and grace
     cannot reach counts every honest claim 0; a fixed 20 s window of 3 steps of 6 s planned every peer 7 steps (42 s
     against 22 s): every screened round aggregated nothing. Such a peer keeps its window's steps (under the floor,
-    undecided, as before session 45)."""
+    undecided, as before session 45). The median batch (same red team): the raise is exempt from every budget cap,
+    and ``min_steps`` (5) steps of a batch at the spread cap (64x the median with 8 ranks) are no floor of the gain
+    test's but 5x the step that ``round.rules.spec.screen_token_cap`` caps under ``min_steps`` steps: a newcomer
+    on probation announcing batch 512 against the others' 8 was planned 5 steps, 81,920 tokens, 89 % of the round's
+    (1 step counted as 256 tokens before). A peer over the median batch keeps its caps' steps, as before."""
     k = int(cfg.min_inner_steps)
     if cfg.method in COMPRESSED_METHODS and mode in SCREENED_MODES:
         screen = screen_steps(
             VerifyConfig(), round=round, probation=probation, batch_size=batch_size, seq_len=cfg.seq_len
         )
         k = max(k, min(screen, int(cfg.max_inner_steps)))
+    if k > cfg.min_inner_steps and median_batch is not None and int(batch_size) > int(median_batch):
+        return int(cfg.min_inner_steps)
     if k > cfg.min_inner_steps and step_s is not None and reach_s is not None:
         if comm_s + k * step_s > reach_s * (1 + slack):
             return int(cfg.min_inner_steps)
@@ -114,6 +123,7 @@ def plan_min_steps(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan, *, stric
         comm_s=a.predicted_comm_s,
         reach_s=plan.window_s + plan_floor_grace_s(plan),
         slack=-FLOOR_REACH_SLACK if strict else FLOOR_REACH_SLACK,
+        median_batch=statistics.median_low([int(x.batch_size) for x in plan.assignments]),
     )
 
 

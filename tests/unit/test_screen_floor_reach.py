@@ -14,7 +14,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.awb import plan_round
 from geomesh_p2p.plan.planner import check_plan, check_plan_sampled
 from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig
-from geomesh_p2p.round.rules.spec import screen_token_floor
+from geomesh_p2p.round.rules.spec import screen_token_cap, screen_token_floor
 from geomesh_p2p.round.steps import floor_grace_s
 from tests.records_util import peer_record
 
@@ -89,3 +89,50 @@ def test_the_floor_is_still_planned_where_the_grace_reaches_it_and_a_rogue_canno
         check_plan_sampled(rogue, {}, cfg, now=plan.created_at),
     ):
         assert isinstance(reason, ContentRefusal) and "outside 7..500" in reason
+
+
+def test_a_newcomer_announcing_a_batch_at_the_spread_cap_is_not_raised_past_the_caps():
+    # four honest peers at batch 8 (10 steps in 1.45 s) and a newcomer on probation announcing 8 ranks, batch 512
+    # (64x the median, the spread cap x its ranks) at 100,000 tokens/s: 5 steps of it end in 0.82 s, within reach
+    honest = IDS
+    new = str(Identity.generate().peer_id)
+    records = {
+        p: peer_record(p, address=f"127.0.0.1:{7200 + k}", tokens_per_s={8: 2000.0}) for k, p in enumerate(honest)
+    }
+    records[new] = peer_record(
+        new, address="127.0.0.1:7300", tokens_per_s={8: 2000.0, 512: 100000.0}, max_batch=512, ranks=8
+    )
+    cfg = _cfg(window_s=1.45)
+    for r in (2, 5):
+        plan = plan_round(
+            list(records.values()),
+            cfg,
+            run_id="run",
+            round=r,
+            leader=honest[0],
+            numel=1 << 16,
+            start_time=START,
+            probation=(new,),
+        )
+        a = plan.assignment(new)
+        assert (a.probation, a.batch_size) == (True, 512)
+        # its caps' 1 step, counted as one step of the median batch (256 tokens; was 5 steps, 81,920 tokens: 89 %
+        # of the round's, counted whole)
+        assert a.inner_steps == 1 and screen_token_cap(plan, "sign") == {new: 256}
+        assert screen_token_floor(plan, "sign").get(new) is None
+        assert {x.inner_steps for x in plan.assignments if x.peer_id != new} == {10}
+        assert check_plan(plan, records, cfg, now=plan.created_at) is None
+        assert check_plan_sampled(plan, {new: records[new]}, cfg, now=plan.created_at) is None
+        # a leader that raises it to the 5 steps anyway is refused by every follower
+        rows = [
+            x.model_copy(update={"inner_steps": 5, "token_budget": 5 * 512 * L, "predicted_compute_s": 5 * 0.16384})
+            if x.peer_id == new
+            else x
+            for x in plan.assignments
+        ]
+        rogue = plan.model_copy(update={"assignments": rows})
+        for reason in (
+            check_plan(rogue, records, cfg, now=plan.created_at),
+            check_plan_sampled(rogue, {}, cfg, now=plan.created_at),
+        ):
+            assert reason is not None and "token budget 81920 for " in reason, reason
