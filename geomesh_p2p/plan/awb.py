@@ -69,7 +69,7 @@ from geomesh_p2p.plan.cost import (
     step_and_comm,
 )
 from geomesh_p2p.plan.schema import PlanConfig, RoundPlan
-from geomesh_p2p.plan.views import min_steps_of
+from geomesh_p2p.plan.views import FLOOR_REACH_SLACK, floor_grace_of, min_steps_of
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
 
@@ -250,9 +250,25 @@ def plan_round(
     probation = probation_ids(recs, probation)
     # a contributor the round screens gets the steps its loss-gain test needs (session 45), before the caps (which
     # keep them) so that the plan's median is the one the caps used (the followers' under-plan check recomputes it)
+    # ... where those steps end by the train deadline plus the floor's grace (red team of session 45: a floor no
+    # honest peer reaches counted every claim of the round 0)
     mode = _method.round_mode(cfg.mode, len(recs), cfg.method)
+    reach_s = T + floor_grace_of(T, cfg.exchange_timeout_s)
+    median_batch = statistics.median_low([m.batch for m in models])  # over it: no raise past the caps
     floors = [
-        min_steps_of(cfg, round=round, mode=mode, probation=m.peer_id in probation, batch_size=m.batch) for m in models
+        min_steps_of(
+            cfg,
+            round=round,
+            mode=mode,
+            probation=m.peer_id in probation,
+            batch_size=m.batch,
+            step_s=m.step_s,
+            comm_s=m.comm_s,
+            reach_s=reach_s,
+            slack=FLOOR_REACH_SLACK,
+            median_batch=median_batch,
+        )
+        for m in models
     ]
     H = np.maximum(inner_steps(np.float64(T), s, c, cfg), np.asarray(floors, dtype=np.int64))
     ranks = [ranks_of(r) for r in recs]

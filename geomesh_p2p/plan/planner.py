@@ -327,9 +327,9 @@ def check_plan(
                 f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
                 f"{target} means {accum_steps_for(a.micro_batch, target)}"
             )
-        if balanced and not plan_min_steps(a, cfg, plan) <= a.inner_steps <= cfg.max_inner_steps:
+        if balanced and not plan_min_steps(a, cfg, plan, strict=True) <= a.inner_steps <= cfg.max_inner_steps:
             return ContentRefusal(
-                f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan)}..{cfg.max_inner_steps}"
+                f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan, strict=True)}..{cfg.max_inner_steps}"
                 " (a peer that cannot keep up is left out of the plan, not given 0 steps; a screened one gets the"
                 " screen's steps)"
             )
@@ -430,9 +430,9 @@ def check_plan_sampled(
     T = plan.window_s
     for a in plan.assignments:
         who = a.peer_id[:10]
-        if rule.balanced and not plan_min_steps(a, cfg, plan) <= a.inner_steps <= cfg.max_inner_steps:
+        if rule.balanced and not plan_min_steps(a, cfg, plan, strict=True) <= a.inner_steps <= cfg.max_inner_steps:
             return ContentRefusal(
-                f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan)}..{cfg.max_inner_steps}"
+                f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan, strict=True)}..{cfg.max_inner_steps}"
             )
         if not rule.balanced and a.inner_steps != rule.uniform_inner_steps:
             return ContentRefusal(

@@ -10,6 +10,7 @@ newer or older than the follower's; a rogue leader may use the same slack (docs/
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Mapping, Optional, Sequence
 
 from geomesh_p2p.config.method import COMPRESSED_METHODS
@@ -28,29 +29,102 @@ from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
 SCREENED_MODES = ("relay", "accountable")
 
 
-def min_steps_of(cfg: PlanConfig, *, round: int, mode: str, probation: bool, batch_size: int) -> int:
+#: At most this share of the exchange window (train deadline to exchange deadline) is given to the token floor's
+#: steps past the train deadline (:func:`floor_grace_of`); the owners close a part at 75% of it (spec.py), so a push
+#: made at this share still has 35% of the window, about the whole predicted exchange (the window is
+#: ``planner.EXCHANGE_SAFETY`` = 3 x it). Session 45: 0.25 and one window before.
+FLOOR_GRACE_EXCHANGE_SHARE = 0.4
+#: ... and at most this many plan windows. Session 45: with the loss-gain test's floor in screened rounds (7 steps at
+#: batch 8 x 32), one window (1.5 s in the benchmark) let all four honest peers of a clean swarm reach 6 of their
+#: 12-17 planned steps in round 3 (their cores shared with the round-2 screens): every claim counted 0, and the
+#: round aggregated nothing.
+FLOOR_GRACE_WINDOWS = 2.0
+#: Relative slack of the leader's and the followers' reach test (:func:`min_steps_of`): a plan's deadlines are unix
+#: seconds (~1.7e9, an ulp of 2.4e-7 s), so the exchange window a follower reads back differs from the leader's by
+#: that much; the leader raises a peer whose floor ends within (1 + this) x the window and grace, a follower asks
+#: for it only where it ends within (1 - this) x.
+FLOOR_REACH_SLACK = 1e-6
+
+
+def floor_grace_of(window_s: float, exchange_s: float) -> float:
+    """Seconds past the train deadline the token floor's steps may run (``round.steps.floor_grace_s``, the trainer's
+    ``floor_grace_s``): ``FLOOR_GRACE_WINDOWS`` x the plan's ``window_s``, at most ``FLOOR_GRACE_EXCHANGE_SHARE`` x
+    its exchange window ``exchange_s`` (seconds, train deadline to exchange deadline; negative counts 0)."""
+    return min(FLOOR_GRACE_WINDOWS * float(window_s), FLOOR_GRACE_EXCHANGE_SHARE * max(0.0, float(exchange_s)))
+
+
+def plan_floor_grace_s(plan: RoundPlan) -> float:
+    """:func:`floor_grace_of` of ``plan``'s window and exchange window."""
+    return floor_grace_of(plan.window_s, float(plan.exchange_deadline) - float(plan.train_deadline))
+
+
+def min_steps_of(
+    cfg: PlanConfig,
+    *,
+    round: int,
+    mode: str,
+    probation: bool,
+    batch_size: int,
+    step_s: Optional[float] = None,
+    comm_s: float = 0.0,
+    reach_s: Optional[float] = None,
+    slack: float = 0.0,
+    median_batch: Optional[int] = None,
+) -> int:
     """The fewest inner steps an AWB leader plans for a peer of round ``round`` (the plan's ``mode``, the peer marked
     ``probation``, at ``batch_size`` sequences a step): ``cfg.min_inner_steps``, and for a contributor that round's
     screen covers (relay and accountable rounds of a sign-compressed method: :func:`~geomesh_p2p.trust.verify_task.
     screened_in_round`) the steps its loss-gain test needs to decide (:func:`~geomesh_p2p.trust.verify_task.
-    screen_steps`: ``gain_min_tokens`` in whole steps, at least ``min_steps``), at most ``cfg.max_inner_steps``.
-    A function of the plan and the run config alone: every follower recomputes it (``check_plan``).
+    screen_steps`: ``gain_min_tokens`` in whole steps, at least ``min_steps``), at most ``cfg.max_inner_steps`` --
+    unless, with ``step_s`` given (seconds a step; ``comm_s`` its exchange, ``reach_s`` the window plus the floor's
+    grace, :func:`floor_grace_of`), those steps end past ``(1 + slack) x reach_s``, or with ``median_batch`` given
+    (the plan's lower-median batch, sequences) ``batch_size`` is over it: then ``cfg.min_inner_steps``. A function of
+    the plan and the run config alone: every follower recomputes it (``check_plan``).
 
     Why (session 45): the contribution of a screened peer planned under the gain test's floor counted in the
     aggregate and could never be decided; planned these steps, its claim must reach the floor to count
-    (``round.rules.spec.screen_token_floor``)."""
+    (``round.rules.spec.screen_token_floor``). The reach test (red team of session 45): a floor the deadline and grace
+    cannot reach counts every honest claim 0; a fixed 20 s window of 3 steps of 6 s planned every peer 7 steps (42 s
+    against 22 s): every screened round aggregated nothing. Such a peer keeps its window's steps (under the floor,
+    undecided, as before session 45). The median batch (same red team): the raise is exempt from every budget cap,
+    and ``min_steps`` (5) steps of a batch at the spread cap (64x the median with 8 ranks) are no floor of the gain
+    test's but 5x the step that ``round.rules.spec.screen_token_cap`` caps under ``min_steps`` steps: a newcomer
+    on probation announcing batch 512 against the others' 8 was planned 5 steps, 81,920 tokens, 89 % of the round's
+    (1 step counted as 256 tokens before). A peer over the median batch keeps its caps' steps, as before."""
     k = int(cfg.min_inner_steps)
     if cfg.method in COMPRESSED_METHODS and mode in SCREENED_MODES:
         screen = screen_steps(
             VerifyConfig(), round=round, probation=probation, batch_size=batch_size, seq_len=cfg.seq_len
         )
         k = max(k, min(screen, int(cfg.max_inner_steps)))
+    if k > cfg.min_inner_steps and median_batch is not None and int(batch_size) > int(median_batch):
+        return int(cfg.min_inner_steps)
+    if k > cfg.min_inner_steps and step_s is not None and reach_s is not None:
+        if comm_s + k * step_s > reach_s * (1 + slack):
+            return int(cfg.min_inner_steps)
     return k
 
 
-def plan_min_steps(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan) -> int:
-    """:func:`min_steps_of` for assignment ``a`` of ``plan``."""
-    return min_steps_of(cfg, round=plan.round, mode=plan.mode, probation=a.probation, batch_size=a.batch_size)
+def plan_min_steps(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan, *, strict: bool = False) -> int:
+    """:func:`min_steps_of` for assignment ``a`` of ``plan``, at the plan's own times for it (its stated step and
+    exchange seconds). ``strict`` (the step range's lower bound: refuse fewer) asks for the floor only where it ends
+    ``FLOOR_REACH_SLACK`` within the window and grace, else (the caps' exemptions) grants it up to that much past
+    them: either way an honest leader's rounding (the deadlines' unix seconds) never refuses its plan. A rogue leader may state a step up to ``UNDER_PLAN_TOLERANCE``
+    x slower than the record (:func:`compute_problem`) and so drop the floor of a peer whose floor steps take over
+    half the window and grace: a small contribution, undecided as before session 45."""
+    step_s = a.predicted_compute_s / a.inner_steps if a.inner_steps > 0 else None
+    return min_steps_of(
+        cfg,
+        round=plan.round,
+        mode=plan.mode,
+        probation=a.probation,
+        batch_size=a.batch_size,
+        step_s=step_s,
+        comm_s=a.predicted_comm_s,
+        reach_s=plan.window_s + plan_floor_grace_s(plan),
+        slack=-FLOOR_REACH_SLACK if strict else FLOOR_REACH_SLACK,
+        median_batch=statistics.median_low([int(x.batch_size) for x in plan.assignments]),
+    )
 
 
 def min_steps_tokens(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional, cast
 import torch
 
 from geomesh_p2p.plan.schema import RoundPlan
+from geomesh_p2p.plan.views import plan_floor_grace_s
 from geomesh_p2p.round.rules.spec import screen_token_floor
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.context import RoundContext, no_work
@@ -23,17 +24,6 @@ from geomesh_p2p.round.ports import EagerStatePort
 if TYPE_CHECKING:
     from geomesh_p2p.model.training import InnerResult
     from geomesh_p2p.round.driver import RoundDriver
-
-#: At most this share of the exchange window (train deadline to exchange deadline) is given to the token floor's
-#: steps past the train deadline (:func:`floor_grace_s`); the owners close a part at 75% of it (spec.py), so a push
-#: made at this share still has 35% of the window, about the whole predicted exchange (the window is
-#: ``planner.EXCHANGE_SAFETY`` = 3 x it). Session 45: 0.25 and one window before.
-FLOOR_GRACE_EXCHANGE_SHARE = 0.4
-#: ... and at most this many plan windows. Session 45: with the loss-gain test's floor in screened rounds (7 steps at
-#: batch 8 x 32), one window (1.5 s in the benchmark) let all four honest peers of a clean swarm reach 6 of their
-#: 12-17 planned steps in round 3 (their cores shared with the round-2 screens): every claim counted 0, and the
-#: round aggregated nothing.
-FLOOR_GRACE_WINDOWS = 2.0
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.peer.round")
@@ -131,10 +121,10 @@ def stop_after_floor(drv: RoundDriver, done: StepsDone, floor: int) -> Callable[
 
 def floor_grace_s(plan: RoundPlan) -> float:
     """Seconds past the train deadline the token floor's steps may run (:meth:`InnerTrainer.run`):
-    ``FLOOR_GRACE_WINDOWS`` windows, at most ``FLOOR_GRACE_EXCHANGE_SHARE`` of the exchange window (the owners take
-    pushes until well after it)."""
-    exchange_s = max(0.0, float(plan.exchange_deadline) - float(plan.train_deadline))
-    return min(FLOOR_GRACE_WINDOWS * float(plan.window_s), FLOOR_GRACE_EXCHANGE_SHARE * exchange_s)
+    ``plan.views.FLOOR_GRACE_WINDOWS`` windows, at most ``plan.views.FLOOR_GRACE_EXCHANGE_SHARE`` of the exchange
+    window (the owners take pushes until well after it). The leader plans a screened peer the loss-gain test's
+    steps only where they end within it (``plan.views.min_steps_of``)."""
+    return plan_floor_grace_s(plan)
 
 
 def say_assignment(drv: RoundDriver, plan: RoundPlan, steps: int, batch: int) -> None:
