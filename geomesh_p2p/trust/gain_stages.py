@@ -105,6 +105,8 @@ class Staged:
     reference: Optional[GainStats] = None
     power: Optional[bool] = None
     stage: str = ""
+    #: borrowed references ``reference`` stands for, when they lent the power the checker's own lacked (0: none)
+    borrowed: int = 0
 
 
 def staged_gain(
@@ -117,6 +119,7 @@ def staged_gain(
     *,
     tokens: int,
     borrowed: Sequence[VerifyTask] = (),
+    fallback: Sequence[VerifyTask] = (),
 ) -> Staged:
     """A screen's loss-gain test in two stages (module docstring): the first half of the drawn batches against the
     first half of the controls; a half's t at or above ``gain_t_min``'s stage bound passes; one below
@@ -130,8 +133,11 @@ def staged_gain(
 
     ``borrowed`` (``rt`` None: the checker sent nothing, session 44; :func:`~.verify_task.borrowed_references`):
     other contributions of the round, each measured as ``rt`` would be; the test has power only when every one of
-    them shows it (each on its own bound, stopping at the first that does not), never otherwise. Raises what
-    ``rows`` raises."""
+    them shows it (each on its own bound, stopping at the first that does not), never otherwise. ``fallback``
+    (session 45; ``rt`` given): the same borrowed references, measured only when the checker's own reference shows
+    no power at the whole test (a reference of many more steps is scaled down to the accused's: a benchmark screener
+    with a 5.05 reference passed the poisoner as inconclusive while the two others failed it); power then as for
+    ``borrowed``. Raises what ``rows`` raises."""
     kappa = cfg.gain_stage_kappa
     refs = [rt] if rt is not None else list(borrowed)
     order = gain_order(task, cfg.gain_assigned)
@@ -182,6 +188,11 @@ def staged_gain(
         )
         return Staged(whole, ref, power, _borrowed_note(borrowed, rt))
     ref, p, on_half = decided[0]
+    if not p and fallback:  # the own reference has no power here: the others' may (both must show it)
+        lent = _lent_power(cfg, fallback, whole, packets, rows, c1, c2, cache)
+        whole = dataclasses.replace(whole, passes=whole.passes + lent.passes)
+        if lent.power:
+            return Staged(whole, lent.reference, True, _lent_note(fallback), borrowed=len(fallback))
     own = ref_steps[0]
     if on_half and own is not None:  # the reference's half decided the gap on its own
         n = len(own[0])
@@ -207,6 +218,35 @@ def _power(cfg, rt: VerifyTask, steps_, ref_half, whole: GainStats, packets, row
         return ref_half, ref_half.t >= hi, True, passes
     ref = _reference_whole(rt, packets, rows, steps_, c1, c2, cache)
     return ref, s * ref.t >= whole.t + gap, False, passes + ref.passes
+
+
+@dataclass(frozen=True)
+class _Lent:
+    """Borrowed references measured against a whole test: ``power`` (every one showed it), the deciding
+    ``reference`` (the lowest, or the first without power) and the forward ``passes`` they took."""
+
+    power: bool
+    reference: Optional[GainStats]
+    passes: int
+
+
+def _lent_power(cfg, refs: Sequence[VerifyTask], whole: GainStats, packets, rows: RowsFn, c1, c2, cache) -> _Lent:
+    """:func:`_power` of each of ``refs`` against ``whole`` in turn, stopping at the first without power."""
+    decided: list[GainStats] = []
+    passes = 0
+    for r in refs:
+        ref, p, _, extra = _power(cfg, r, _reference_steps(cfg, r), None, whole, packets, rows, c1, c2, cache)
+        passes += extra
+        if not p:
+            return _Lent(False, ref, passes)
+        decided.append(ref)
+    low = min(decided, key=lambda g: _scale(whole.steps, g.steps) * g.t) if decided else None
+    return _Lent(bool(decided), low, passes)
+
+
+def _lent_note(refs: Sequence[VerifyTask]) -> str:
+    """The verdict's note when borrowed references lent the power the checker's own reference lacked."""
+    return f"; power from {len(refs)} other contributions of the round (this checker's own had none at its steps)"
 
 
 def _borrowed_note(borrowed: Sequence[VerifyTask], rt: Optional[VerifyTask]) -> str:

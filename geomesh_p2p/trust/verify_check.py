@@ -639,8 +639,12 @@ def screen_contribution(
             if plan is None or checker is None
             else reference_task(cfg, task, plan=plan, packets=packets, checker=checker)
         )
-        borrowed = _borrowed(cfg, task, rt, plan, packets, checker)
-        st = staged_gain(cfg, task, rt, packets, rows, cache, tokens=_tokens(task), borrowed=borrowed)
+        borrowed = _borrowed(cfg, task, None, plan, packets, checker)  # lent when the own reference has no power
+        own_ref = rt is not None
+        st = staged_gain(
+            cfg, task, rt, packets, rows, cache, tokens=_tokens(task), borrowed=[] if own_ref else borrowed,
+            fallback=borrowed if own_ref else (),
+        )  # fmt: skip
         return WorkStats(0.0, 0.0, 0, st.gain), judge_screen(
             cfg,
             task,
@@ -648,7 +652,7 @@ def screen_contribution(
             st.reference,
             power=st.power,
             stage=st.stage,
-            borrowed=len(borrowed) if rt is None else 0,
+            borrowed=st.borrowed or (0 if own_ref else len(borrowed)),
         )
     gain = _gain(
         cfg, task, model, dataset, theta, packets[task.accused], seed=seed, deadline=deadline, pace=pace, cache=cache
@@ -660,14 +664,18 @@ def screen_contribution(
             pace=pace, cache=cache,
         )  # fmt: skip
     power = None
-    if reference is None and gain.t < cfg.gain_t_min:  # the checker sent nothing: other contributions, measured whole
-        borrowed = _borrowed(cfg, task, None, plan, packets, checker)
-        for rt in borrowed:  # every one must show power; the first that does not ends it
+    if gain.t < cfg.gain_t_min and (reference is None or not gain_decides(cfg, gain, reference)):
+        # the checker sent nothing, or its own reference has no power at the accused's steps (session 45): other
+        # contributions, measured whole; every one must show power, the first that does not ends it
+        own, borrowed = reference, _borrowed(cfg, task, None, plan, packets, checker)
+        for rt in borrowed:
             reference = _reference_of(cfg, rt, model, dataset, theta, packets, seed=seed, deadline=deadline,
                                       pace=pace, cache=cache)  # fmt: skip
             power = gain_decides(cfg, gain, reference)
             if not power:
                 break
+        if own is not None and not power:  # lent nothing: the verdict is the own reference's, as before
+            return WorkStats(0.0, 0.0, 0, gain), judge_screen(cfg, task, gain, own)
         return WorkStats(0.0, 0.0, 0, gain), judge_screen(
             cfg, task, gain, reference, power=power, borrowed=len(borrowed)
         )

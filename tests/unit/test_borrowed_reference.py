@@ -199,3 +199,40 @@ def test_one_colluder_cannot_lend_power_alone(world, poisoner, inflated):
         assert ts[world.pid["B"]] >= stats.gain.t + CFG.gain_t_gap > ts[world.pid["C"]], ts  # B alone would lend it
     _, verdict, _, _ = _screen(world, CFG, poisoner, others={"B": inflated})
     assert verdict.outcome == VC.FAIL
+
+
+def test_a_screener_whose_own_reference_has_no_power_borrows_two_others(world, poisoner):
+    """Session 45's benchmark: h1's own contribution (many more steps than the poisoner's 7, scaled down to them) had
+    no power, so it passed the poisoner's round-2 screen as inconclusive while h0 and h2 failed it, and its own
+    verdict came a round later (the plans it led kept the poisoner meanwhile). Now the 2 borrowed references are
+    measured when the own one shows no power, with the same rule (every one must show it). V's own contribution here
+    trained on another peer's batches (no power on its own): before, inconclusive; now a failure on B's and C's."""
+    vid = str(_fixed_identity("screener-V").peer_id)
+    for cfg in (CFG, WHOLE):
+        stats, verdict, task, (plan, packets, _) = _screen(world, cfg, poisoner, own=world.wrong_data)
+        own = VT.reference_task(cfg, task, plan=plan, packets=packets, checker=vid)
+        assert own is not None  # it sent a contribution of its own, which shows no power
+        ref = VC._reference_of(
+            cfg, own, copy.deepcopy(world.base), world.ds, world.theta, packets, seed=0, deadline=None, pace=None,
+            cache=None,
+        )  # fmt: skip
+        assert not VC.gain_decides(cfg, stats.gain, ref), ref
+        assert verdict.outcome == VC.FAIL, (cfg.gain_staged, verdict)
+        assert "2 other contributions of the round (borrowed)" in verdict.reason, verdict
+        assert stats.gain.t < CFG.gain_t_hard
+        # only B held (C's not fetched): nothing to borrow, the own reference's verdict as before
+        _, verdict, _, _ = _screen(world, cfg, poisoner, own=world.wrong_data, held=("B",))
+        assert verdict.outcome == VC.PASS and verdict.reason.startswith("inconclusive"), verdict
+        assert "this checker's own contribution t" in verdict.reason, verdict
+
+
+@pytest.mark.parametrize("H", [5, 20])
+def test_an_honest_contribution_passes_whatever_the_screeners_own_reference(world, H):
+    """The lent power only decides whether a low t counts: honest H = 5 and 20 pass at a screener whose own
+    contribution shows no power, with the same statistic as at one whose own does."""
+    vid = str(_fixed_identity("screener-V").peer_id)
+    for cfg in (CFG, WHOLE):
+        plain, _, _, _ = _screen(world, cfg, world.honest[H], H, own=world.honest_of(vid))
+        stats, verdict, _, _ = _screen(world, cfg, world.honest[H], H, own=world.wrong_data)
+        assert verdict.outcome == VC.PASS and not verdict.reason.startswith("inconclusive"), verdict
+        assert stats.gain == plain.gain and stats.gain.t >= CFG.gain_t_min

@@ -202,5 +202,5 @@ def test_build_training_refuses_a_budget_below_the_model_in_one_line():
         identity=Identity.generate(),
     )
     node.transport = _FakeTransport()
-    with pytest.raises(UserFacingError, match="cannot train tiny here: memory budget 0.06 GiB is below"):
+    with pytest.raises(UserFacingError, match="cannot train tiny here: memory budget 0.0625 GiB is below"):
         node._build_training()

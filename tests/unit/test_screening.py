@@ -132,8 +132,13 @@ def test_where_the_test_has_no_power_a_low_gain_is_inconclusive_not_a_failure(wo
     is what any text teaches) and honest peers excluded each other. A low t now counts only when the screener's
     own contribution of the round reaches t + gain_t_gap on its own batches. Here the screeners' own updates carry
     no trace of their batches (the last global update), so A's wrong-data contribution passes as inconclusive:
-    no evidence, nobody excluded; with honest screeners (the first test) the same contribution fails."""
+    no evidence, nobody excluded; with honest screeners (the first test) the same contribution fails. Since session
+    45 a screener whose own reference has no power borrows 2 other contributions of the round (every one must show
+    it: tests/unit/test_borrowed_reference.py), so B's and C's carry no trace of their batches here either: no
+    power anywhere in the round, as at a swarm's first rounds."""
     ids, plan, packets = _case(world, world.wrong_data, 10, names=("V",), own=lambda _: world.prev_aggregate)
+    for n in ("B", "C"):
+        packets[world.pid[n]] = _packets(world, world.prev_aggregate, 10)[world.pid["A"]]
     a = world.pid["A"]
     v = _verifier(world, ids["V"], CFG, plan, packets)
     v.dht = FakeDHT()
