@@ -164,7 +164,8 @@ class Verdicts:
         plans it leads (:meth:`filter`), every follower follows them, and as the evidence is confirmed at the
         others their plans leave it out too. In any one round the accused is in the plan for everyone or for no
         one. What it costs: rounds led by a peer that has not confirmed yet (or by the accused, while it still
-        ranks among the last round's established participants) include it."""
+        ranks among the last round's established participants) include it; the accused's own plan is ignored by
+        every follower once every other peer it names announces a settled verdict (:func:`swarm_excluded`)."""
         bad = [
             p
             for p in plan.participants()
