@@ -38,7 +38,8 @@ class Voters:
         raise AssertionError("the digest check must not use the shared membership read")
 
 
-def _driver(membership: Voters, mine: str) -> SimpleNamespace:
+def _driver(membership, mine: str, voters_of=lambda recs: list(recs)) -> SimpleNamespace:
+    """A driver of a fake clock (each pause advances it) whose policy keeps the records ``voters_of(recs)`` says."""
     clock = SimpleNamespace(t=0.0)
     clock.monotonic = lambda: clock.t
     clock.time = lambda: 1000.0 + clock.t
@@ -55,7 +56,7 @@ def _driver(membership: Voters, mine: str) -> SimpleNamespace:
         cfg=SimpleNamespace(digest_wait_s=2.0),
         backoff=lambda: Backoff(0.05, 1.0),
         pause=pause,
-        policy=SimpleNamespace(digest_voters=lambda recs: list(recs)),
+        policy=SimpleNamespace(digest_voters=voters_of),
         state=SimpleNamespace(digest=mine),
         _last_plan=None,
         _confirmed_round=0,

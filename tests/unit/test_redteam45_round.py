@@ -24,37 +24,12 @@ from geomesh_p2p.round import finish
 from geomesh_p2p.sync.download import OuterUpdate
 from geomesh_p2p.sync.server import UpdateLog
 from geomesh_p2p.trust.kept_weights import KeptWeights
-from geomesh_p2p.util.backoff import Backoff
 from tests.records_util import peer_record
+from tests.unit.test_digest_check_reads import _driver
 
 pytestmark = pytest.mark.timeout(60)
 
 X, Z, OLD = "a" * 32, "b" * 32, "0" * 32
-
-
-def _driver(membership, mine: str, voters_of) -> SimpleNamespace:
-    """A driver of a fake clock (each pause advances it) whose policy keeps the records ``voters_of(recs)`` says."""
-    clock = SimpleNamespace(t=0.0)
-    clock.monotonic = lambda: clock.t
-    clock.time = lambda: 1000.0 + clock.t
-
-    async def pause(seconds: float) -> bool:
-        clock.t += seconds
-        await asyncio.sleep(0)
-        return False
-
-    return SimpleNamespace(
-        me=membership.me,
-        membership=membership,
-        clock=clock,
-        cfg=SimpleNamespace(digest_wait_s=2.0),
-        backoff=lambda: Backoff(0.05, 1.0),
-        pause=pause,
-        policy=SimpleNamespace(digest_voters=voters_of),
-        state=SimpleNamespace(digest=mine),
-        _last_plan=None,
-        _confirmed_round=0,
-    )
 
 
 class _Script:
