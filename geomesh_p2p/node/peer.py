@@ -16,7 +16,8 @@ Lifecycle (DESIGN.md, all of it):
 5. Ctrl+C / SIGTERM: finish the exchange if it is under way, write a checkpoint, stop every task,
    exit 0. When the swarm ends without this peer (every other peer left while it was behind or short of
    ``--min-peers``): a WARNING instead of "done", exit 0 when it holds the swarm's last state, else
-   :data:`EXIT_NOT_SYNCED`."""
+   :data:`EXIT_NOT_SYNCED`.
+"""
 
 from __future__ import annotations
 
@@ -487,7 +488,6 @@ class PeerNode:
             leaving=self._leaving,
             pow_nonce=self.pow_nonce,
             standing=self.standing.attestations(exclude=self.me, own=True),
-            excludes=self.verified.announced(self.round),  # what leaders the swarm follows (swarm_excluded)
             sync_progress=self.resync.progress(),  # while syncing (issue 14 #3)
             timestamp=swarm_time(),
         )  # read by other machines (status page: last seen)

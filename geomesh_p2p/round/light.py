@@ -163,12 +163,6 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
             # full-view peers may follow it is asked once the choice is made.
             outsiders.add(p.leader)
             return f"its leader {p.leader[:10]} was no established participant of round {prev.round}"
-        if drv.policy.may_lead_ids((), [p.leader]) == []:
-            # A leader this peer bars (a verdict of verified work, a no-show mark): the full-view peers may ignore
-            # its plan for the swarm's verdict (verdicts.swarm_excluded, read from every participant's record, which
-            # a light follower does not read), so whether they do is the full path's to decide, not this sample's
-            outsiders.add(p.leader)
-            return f"its leader {p.leader[:10]} may not lead in this peer's view"
         return drv.policy.sampled_plan_problem(p, {}, ())
 
     why: Optional[str] = None

@@ -109,16 +109,9 @@ class NodeRoundPolicy:
         return self.accountable.undo_problem(plan, self.undo_on)
 
     def plan_problem(self, plan, live: dict) -> Optional[str]:
-        """Why this peer refuses ``plan``: the swarm's verdict on its leader first (:meth:`VerifiedWork.swarm_problem`:
-        a :class:`ContentRefusal` every follower reading the same records gives, so a view-dependent refusal after it
-        cannot make a peer sit out a plan nobody follows), :meth:`PlanRules.plan_problem`, then verified work's
-        objection, then its undo list's (:meth:`undo_problem`)."""
-        return (
-            self.verified.swarm_problem(plan, live)
-            or self.planning.plan_problem(plan, live)
-            or self.verified.plan_problem(plan)
-            or self.undo_problem(plan)
-        )
+        """Why this peer refuses ``plan``: :meth:`PlanRules.plan_problem`, then verified work's objection, then its
+        undo list's (:meth:`undo_problem`)."""
+        return self.planning.plan_problem(plan, live) or self.verified.plan_problem(plan) or self.undo_problem(plan)
 
     def sampled_plan_problem(self, plan, sampled: dict, sample) -> Optional[str]:
         """A light follower's :meth:`plan_problem` (:meth:`PlanRules.sampled_plan_problem`: the records of a

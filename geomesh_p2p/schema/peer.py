@@ -25,9 +25,6 @@ MAX_BATCH = 1 << 20
 MAX_RANKS = 64
 #: Most peers a record may vouch for in ``standing``.
 MAX_ATTESTED = 64
-#: Most peers a record may name in ``excludes`` (a peer announces at most
-#: :data:`geomesh_p2p.trust.verdicts.MAX_ANNOUNCED`).
-MAX_EXCLUDES = 64
 
 
 class SyncProgress(BaseModel):
@@ -109,13 +106,6 @@ class PeerRecord(BaseModel):
         "left out of the JSON when None (records of older peers parse as before)",
     )
 
-    excludes: list[str] = Field(
-        default_factory=list,
-        description="peers this one excludes on verified work's settled verdicts (a proof, or evidence another "
-        "verifier published that it re-checked; never a verdict it holds alone), as PeerID prefixes "
-        "(trust.standing.attest_key), fixed for the record's round; what leaders the swarm still follows is read "
-        "from them (trust.verdicts.swarm_excluded); optional, left out of the JSON when empty",
-    )
     ranks: int = Field(
         default=1,
         ge=1,
@@ -163,13 +153,6 @@ class PeerRecord(BaseModel):
             )
         return v
 
-    @field_validator("excludes")
-    @classmethod
-    def _bounded_excludes(cls, v: list[str]) -> list[str]:
-        if len(v) > MAX_EXCLUDES or any(not 1 <= len(k) <= 64 for k in v):
-            raise ValueError(f"excludes: at most {MAX_EXCLUDES} entries, names of 1..64 characters")
-        return v
-
     @property
     def client_only(self) -> bool:
         """True when the peer accepts no connections: it owns no collective part."""
@@ -180,14 +163,12 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        """JSON bytes. ``sync_progress``, ``excludes``, ``ranks`` and ``rank_memory_bytes`` are written only when set (not
+        """JSON bytes. ``sync_progress``, ``ranks`` and ``rank_memory_bytes`` are written only when set (not
         their defaults), so a record without them is byte for byte what a peer of the previous version wrote
         (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
         absent = {
-            k
-            for k, v in (("sync_progress", None), ("excludes", []), ("ranks", 1), ("rank_memory_bytes", None))
-            if getattr(self, k) == v
+            k for k, v in (("sync_progress", None), ("ranks", 1), ("rank_memory_bytes", None)) if getattr(self, k) == v
         }
         return self.model_dump_json(exclude=absent or None).encode()
 

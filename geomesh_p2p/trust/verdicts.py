@@ -7,52 +7,16 @@ plans, which of those verdicts it holds alone, the rounds of marginal failures; 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping, Optional
-
-from geomesh_p2p.trust.standing import attest_key
+from typing import Iterable, Optional
 
 log = logging.getLogger("geomesh_p2p.trust.verify")
 
-__all__ = ["Verdicts", "MAX_RESTORED", "MAX_ANNOUNCED", "swarm_excluded"]
+__all__ = ["Verdicts", "MAX_RESTORED"]
 
 
 #: Verdicts restored from a checkpoint: at most this many entries of each kind (an edited file of 200k
 #: exclusions stalled the loop 2 s and grew the checkpoint to 88 MB: red team, session 13)
 MAX_RESTORED = 4096
-#: Settled exclusions a record announces (:meth:`Verdicts.announced`, ``PeerRecord.excludes``): the newest ones
-MAX_ANNOUNCED = 16
-
-
-def swarm_excluded(plan, view: Mapping) -> Optional[str]:
-    """Why no peer follows ``plan`` (None: the rule does not apply): every participant it names besides its
-    leader announces, in its record of the plan's round in ``view`` (PeerID -> PeerRecord), that it excludes the
-    leader on a settled verdict (``PeerRecord.excludes``, :meth:`Verdicts.announced`).
-
-    Why (session 45's backdoor runs): an exclusion took effect only through the plans its holders led, and the
-    leader of a round is whoever publishes the best-ranked plan every follower accepts. The accused, a candidate
-    in its own view, published at its turn; a verdict never makes a follower refuse a plan (a follower refusing
-    while another honest peer had not confirmed yet split the swarm, sessions 19 and 28), so every honest peer,
-    all three holding confirmed verdicts, followed it and it planned itself in (run 12's round 6). Ignoring its
-    plan at one holder alone would fork it from the peers that follow it; here every peer the plan names
-    announced the verdict, so none of them follows it, and the reader, whatever it holds itself, does not either
-    (the next leader's plan is followed). The records are the swarm's, read by every follower alike, and a
-    record's list is fixed for its round, so the followers of one round decide alike; a verdict held alone is
-    never announced, so it never moves anyone. A participant whose record here is of another round (not read
-    yet) or lacks the verdict keeps the plan followed, as before. Nothing is excluded at the reader by it: its
-    own plans and digest vote follow its own verdicts only."""
-    leader = str(plan.leader)
-    others = [p for p in plan.participants() if p != leader]
-    if not others:
-        return None
-    key = attest_key(leader)
-    for p in others:
-        rec = view.get(p)
-        if rec is None or int(rec.round) != int(plan.round) or key not in getattr(rec, "excludes", ()):
-            return None
-    return (
-        f"its leader {leader[:10]} is excluded by verified work at every other peer it names ({len(others)}, "
-        "their records): none of them follows it"
-    )
 
 
 class Verdicts:
@@ -125,17 +89,6 @@ class Verdicts:
         excluded poisoner's rounds 3-4 up to round 11)."""
         return accused in self.excluded and accused not in self.lone
 
-    def announced(self, limit: int = MAX_ANNOUNCED) -> list[str]:
-        """What this node's record announces (``PeerRecord.excludes``, read by :func:`swarm_excluded`): the
-        :meth:`settled` exclusions (a proof, or another verifier's evidence re-checked here; never a verdict held
-        alone), the ``limit`` newest by the round of their verdict, as :func:`~geomesh_p2p.trust.standing.attest_key`
-        prefixes, sorted."""
-        settled = sorted(
-            (p for p in self.excluded if self.settled(p) and p != self.me),
-            key=lambda p: (-self.excluded_round.get(p, 0), p),
-        )
-        return sorted(attest_key(p) for p in settled[: max(0, int(limit))])
-
     def filter(self, members: Iterable, keep: Optional[str] = None) -> list:
         """``members`` (PeerRecords or anything with ``peer_id``) without the excluded peers (never ``keep``)."""
         return [m for m in members if self.kept(m.peer_id, keep)]
@@ -164,8 +117,7 @@ class Verdicts:
         plans it leads (:meth:`filter`), every follower follows them, and as the evidence is confirmed at the
         others their plans leave it out too. In any one round the accused is in the plan for everyone or for no
         one. What it costs: rounds led by a peer that has not confirmed yet (or by the accused, while it still
-        ranks among the last round's established participants) include it; the accused's own plan is ignored by
-        every follower once every other peer it names announces a settled verdict (:func:`swarm_excluded`)."""
+        ranks among the last round's established participants) include it."""
         bad = [
             p
             for p in plan.participants()

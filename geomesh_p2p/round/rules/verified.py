@@ -15,11 +15,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from geomesh_p2p.model.memory import release_freed_memory
-from geomesh_p2p.plan.schema import ContentRefusal
 from geomesh_p2p.round.rules import verified_accountable
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import agreement, verify
-from geomesh_p2p.trust.verdicts import swarm_excluded
 
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
@@ -109,7 +107,6 @@ class VerifiedWork:
         #: gap (issue 27, session 45)
         self.before_early_write: Callable[[], object] = lambda: None
         self._round_done_ev: Optional[asyncio.Event] = None
-        self._announced: Optional[tuple[int, list[str]]] = None  # (round, what its records announce)
 
     def verdicts(self) -> verify.Verdicts:
         """The verdicts in force: the verifier's, or those held until it is built."""
@@ -447,24 +444,6 @@ class VerifiedWork:
                 test.mad,
                 ", ".join(f"{p[:10]} {found[p]:.3f}" for p in test.outliers),
             )
-
-    def announced(self, round: int) -> list[str]:
-        """The settled exclusions this peer's records of ``round`` announce (``PeerRecord.excludes``,
-        :meth:`~geomesh_p2p.trust.verdicts.Verdicts.announced`): taken at the first record of the round and kept
-        for the others of it, so every follower reads one list per peer and round (a verdict reached meanwhile is
-        announced from the next round on)."""
-        got = self._announced
-        if got is None or got[0] != int(round):
-            got = self._announced = (int(round), self.verdicts().announced())
-        return list(got[1])
-
-    def swarm_problem(self, plan, live: dict) -> Optional[str]:
-        """Why no follower takes ``plan`` (:func:`~geomesh_p2p.trust.verdicts.swarm_excluded`: every other peer
-        it names announces a settled verdict against its leader), as a :class:`ContentRefusal`: every follower
-        reading the same records gives it, so the plan is ignored as absent and the next leader's is followed (no
-        sit-out). None: no objection."""
-        why = swarm_excluded(plan, live)
-        return None if why is None else ContentRefusal(why)
 
     def plan_problem(self, plan) -> Optional[str]:
         """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
