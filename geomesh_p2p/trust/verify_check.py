@@ -683,8 +683,10 @@ def screen_contribution(
 
 
 def _borrowed(cfg, task: VerifyTask, rt: Optional[VerifyTask], plan, packets, checker) -> list[VerifyTask]:
-    """:func:`~.verify_task.borrowed_references` of a checker without a reference of its own (``rt`` None), else []."""
-    if rt is not None or plan is None or checker is None:
+    """:func:`~.verify_task.borrowed_references` of a checker without a reference of its own (``rt`` None), else [];
+    [] under ``cfg.gain_min_tokens`` too: the screen passes there whatever the reference (:func:`judge_screen`'s
+    floor), so measuring 2 other contributions for it was 2 references' batches for nothing (red team 45)."""
+    if rt is not None or plan is None or checker is None or _tokens(task) < cfg.gain_min_tokens:
         return []
     return borrowed_references(cfg, task, plan=plan, packets=packets, checker=checker)
 

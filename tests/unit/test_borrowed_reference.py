@@ -236,3 +236,25 @@ def test_an_honest_contribution_passes_whatever_the_screeners_own_reference(worl
         stats, verdict, _, _ = _screen(world, cfg, world.honest[H], H, own=world.wrong_data)
         assert verdict.outcome == VC.PASS and not verdict.reason.startswith("inconclusive"), verdict
         assert stats.gain == plain.gain and stats.gain.t >= CFG.gain_t_min
+
+
+def test_nothing_is_borrowed_for_a_contribution_under_the_tests_token_floor(world):
+    """Red team 45: under ``gain_min_tokens`` a screen passes as inconclusive whatever the reference (the floor), yet
+    a screener whose own reference had no power measured 2 borrowed ones for it, and so did one that sent nothing:
+    2 references' batches more per screen of every small contribution with a low t (a swarm's first rounds: every t
+    ~1; batch 4 x 32 makes 5 steps 640 tokens). Here the floor is raised over A's wrong-data update (10 steps of
+    8 x 64, 5,120 tokens): the same batches drawn whether B's and C's contributions are held or not, and the same
+    verdict."""
+    for base in (CFG, WHOLE):
+        cfg = dataclasses.replace(base, gain_min_tokens=8192)
+        for own in (world.wrong_data, None):
+            counts, verdicts = [], []
+            for held in (("B", "C"), ("B",)):
+                ds = Counting(world.ds)
+                stats, verdict, task, _ = _screen(world, cfg, world.wrong_data, dataset=ds, own=own, held=held)
+                assert VC._tokens(task) < cfg.gain_min_tokens and stats.gain.t < cfg.gain_t_min, stats.gain
+                counts.append(ds.batches)
+                verdicts.append(verdict)
+            assert verdicts[0] == verdicts[1] and verdicts[0].outcome == VC.PASS, verdicts
+            assert "under the test's floor" in verdicts[0].reason, verdicts[0]
+            assert counts[0] == counts[1], (cfg.gain_staged, own is None, counts)
