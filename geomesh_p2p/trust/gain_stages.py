@@ -171,23 +171,12 @@ def staged_gain(
     whole = gain_of([by_step[j] for j in sorted(order)], got[len(s1) :] + more[len(s2) :], steps=steps)
     if whole.t >= cfg.gain_t_min or not refs:
         return Staged(dataclasses.replace(whole, passes=passes))
-    decided: list[tuple[GainStats, bool, bool]] = []  # (the reference's test, power, decided on its half)
-    for i, r in enumerate(refs):
-        ref, p, on_half, extra = _power(cfg, r, ref_steps[i], ref_halves.get(i), whole, packets, rows, c1, c2, cache)
-        passes += extra
-        decided.append((ref, p, on_half))
-        if not p:
-            break
-    whole = dataclasses.replace(whole, passes=passes)
     if rt is None:  # borrowed: power only when every reference shows it
-        power = len(decided) == len(refs) and all(p for _, p, _ in decided)
-        ref = (
-            decided[-1][0]
-            if not power
-            else min((g for g, _, _ in decided), key=lambda g: _scale(whole.steps, g.steps) * g.t)
-        )
-        return Staged(whole, ref, power, _borrowed_note(borrowed, rt))
-    ref, p, on_half = decided[0]
+        lent = _lent_power(cfg, refs, whole, packets, rows, c1, c2, cache, ref_halves)
+        whole = dataclasses.replace(whole, passes=passes + lent.passes)
+        return Staged(whole, lent.reference, lent.power, _borrowed_note(borrowed, rt))
+    ref, p, on_half, extra = _power(cfg, rt, ref_steps[0], ref_halves.get(0), whole, packets, rows, c1, c2, cache)
+    whole = dataclasses.replace(whole, passes=passes + extra)
     if not p and fallback:  # the own reference has no power here: the others' may (both must show it)
         lent = _lent_power(cfg, fallback, whole, packets, rows, c1, c2, cache)
         whole = dataclasses.replace(whole, passes=whole.passes + lent.passes)
@@ -230,12 +219,16 @@ class _Lent:
     passes: int
 
 
-def _lent_power(cfg, refs: Sequence[VerifyTask], whole: GainStats, packets, rows: RowsFn, c1, c2, cache) -> _Lent:
-    """:func:`_power` of each of ``refs`` against ``whole`` in turn, stopping at the first without power."""
+def _lent_power(
+    cfg, refs: Sequence[VerifyTask], whole: GainStats, packets, rows: RowsFn, c1, c2, cache, halves=None
+) -> _Lent:
+    """:func:`_power` of each of ``refs`` against ``whole`` in turn, stopping at the first without power (``halves``:
+    index in ``refs`` -> its first half, already measured)."""
     decided: list[GainStats] = []
     passes = 0
-    for r in refs:
-        ref, p, _, extra = _power(cfg, r, _reference_steps(cfg, r), None, whole, packets, rows, c1, c2, cache)
+    for i, r in enumerate(refs):
+        half = (halves or {}).get(i)
+        ref, p, _, extra = _power(cfg, r, _reference_steps(cfg, r), half, whole, packets, rows, c1, c2, cache)
         passes += extra
         if not p:
             return _Lent(False, ref, passes)

@@ -639,7 +639,7 @@ def screen_contribution(
             if plan is None or checker is None
             else reference_task(cfg, task, plan=plan, packets=packets, checker=checker)
         )
-        borrowed = _borrowed(cfg, task, None, plan, packets, checker)  # lent when the own reference has no power
+        borrowed = _borrowed(cfg, task, plan, packets, checker)  # lent when the own reference has no power
         own_ref = rt is not None
         st = staged_gain(
             cfg, task, rt, packets, rows, cache, tokens=_tokens(task), borrowed=[] if own_ref else borrowed,
@@ -667,7 +667,7 @@ def screen_contribution(
     if gain.t < cfg.gain_t_min and (reference is None or not gain_decides(cfg, gain, reference)):
         # the checker sent nothing, or its own reference has no power at the accused's steps (session 45): other
         # contributions, measured whole; every one must show power, the first that does not ends it
-        own, borrowed = reference, _borrowed(cfg, task, None, plan, packets, checker)
+        own, borrowed = reference, _borrowed(cfg, task, plan, packets, checker)
         for rt in borrowed:
             reference = _reference_of(cfg, rt, model, dataset, theta, packets, seed=seed, deadline=deadline,
                                       pace=pace, cache=cache)  # fmt: skip
@@ -682,11 +682,11 @@ def screen_contribution(
     return WorkStats(0.0, 0.0, 0, gain), judge_screen(cfg, task, gain, reference)
 
 
-def _borrowed(cfg, task: VerifyTask, rt: Optional[VerifyTask], plan, packets, checker) -> list[VerifyTask]:
-    """:func:`~.verify_task.borrowed_references` of a checker without a reference of its own (``rt`` None), else [];
-    [] under ``cfg.gain_min_tokens`` too: the screen passes there whatever the reference (:func:`judge_screen`'s
+def _borrowed(cfg, task: VerifyTask, plan, packets, checker) -> list[VerifyTask]:
+    """:func:`~.verify_task.borrowed_references` of ``checker`` for ``task`` (used where it sent no contribution of
+    its own, or its own shows no power); [] without a plan or checker, and under ``cfg.gain_min_tokens`` too: the screen passes there whatever the reference (:func:`judge_screen`'s
     floor), so measuring 2 other contributions for it was 2 references' batches for nothing (red team 45)."""
-    if rt is not None or plan is None or checker is None or _tokens(task) < cfg.gain_min_tokens:
+    if plan is None or checker is None or _tokens(task) < cfg.gain_min_tokens:
         return []
     return borrowed_references(cfg, task, plan=plan, packets=packets, checker=checker)
 
