@@ -149,8 +149,9 @@ class OuterNesterov:
         )
 
 
-#: elements of the aggregate :func:`block_bounds` reads at a time (4 MiB of fp32 temporaries)
-BOUNDS_CHUNK = 1 << 20
+#: elements of the aggregate :func:`block_maxima` reads at a time (1 MiB): the chunk stays in a core's L2 cache
+#: between its ``amax`` (which reads it from memory) and its ``amin``
+BOUNDS_CHUNK = 1 << 18
 
 
 def block_bounds(g: torch.Tensor, block_size: int, c: float) -> torch.Tensor:
@@ -164,43 +165,61 @@ def block_bounds(g: torch.Tensor, block_size: int, c: float) -> torch.Tensor:
 
 def block_maxima(g: torch.Tensor, block_size: int) -> torch.Tensor:
     """``max|g|`` of each block of :func:`block_bounds` (NaN for a block with a NaN), fp32 ``[ceil(n / B)]``: one
-    read pass of ``g``, :data:`BOUNDS_CHUNK` elements at a time."""
+    read pass of ``g`` from memory, :data:`BOUNDS_CHUNK` elements at a time: each block's ``amax`` and ``amin``
+    (two reductions over a chunk in cache, nothing written but the ``[n / B]`` results; ``abs`` into a temporary
+    then ``amax`` cost ~1.3x more, issue 27 session 46), then ``|max(amax, -amin)|``: the same value as
+    ``amax(|g|)`` (``max``, ``min`` and negation are exact), ``+0`` for a block of zeros (the outer ``abs``:
+    ``amax`` of ``-0`` is ``-0``). A block with a NaN (rare: its part is not stepped) is measured again as
+    ``amax(|g|)``, so its NaN's bits are those of sessions 44-45 too."""
     n = g.numel()
     nfull = n // block_size
-    parts = []
+    out = torch.empty(-(-n // block_size), dtype=torch.float32)
+    lo = torch.empty(nfull, dtype=torch.float32)
     step = max(1, BOUNDS_CHUNK // block_size) * block_size
     for a in range(0, nfull * block_size, step):
         b = min(nfull * block_size, a + step)
-        parts.append(torch.abs(g[a:b]).view((b - a) // block_size, block_size).amax(dim=1))
+        v, k0, k1 = g[a:b].view((b - a) // block_size, block_size), a // block_size, b // block_size
+        torch.amax(v, dim=1, out=out[k0:k1])
+        torch.amin(v, dim=1, out=lo[k0:k1])
+    torch.maximum(out[:nfull], torch.neg(lo, out=lo), out=out[:nfull])
+    torch.abs(out[:nfull], out=out[:nfull])
+    for k in torch.isnan(out[:nfull]).nonzero().flatten().tolist():  # rare: the part is not stepped
+        v = g[k * block_size : (k + 1) * block_size].view(1, block_size)
+        torch.amax(torch.abs(v), dim=1, out=out[k : k + 1])  # amax(|g|)'s own NaN bits
     if nfull * block_size < n:
-        parts.append(torch.abs(g[nfull * block_size :]).amax().reshape(1))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+        out[nfull] = torch.abs(g[nfull * block_size :]).amax()
+    return out
 
 
 def clamp_blocks(x: torch.Tensor, bounds: torch.Tensor, offset: int, block_size: int) -> None:
     """In place ``x[i] = min(max(x[i], -b), b)`` with ``b = bounds[(offset + i) // block_size]``: ``x`` holds the
     elements ``[offset, offset + len(x))`` of a vector whose blocks :func:`block_bounds` measured. Exact
     (min / max round nothing), so any split of the vector into pieces gives the same bits."""
+    _clamp(x, bounds.unsqueeze(1), torch.neg(bounds).unsqueeze(1), offset, block_size)
+
+
+def _clamp(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, offset: int, block_size: int) -> None:
+    """:func:`clamp_blocks` with the bounds ``hi`` = ``bounds[:, None]`` and ``lo`` = ``-bounds[:, None]`` made once
+    (the fused step clamps a part block after block): the same pieces (a head to the next block start, the whole
+    blocks as one ``[m, B]`` view, a tail) and the same two kernels on each, ``minimum`` then ``maximum``."""
     n = x.numel()
     i = 0
     head = min(n, (-offset) % block_size)
     if head:
-        b = bounds[offset // block_size]
-        torch.minimum(x[:head], b, out=x[:head])
-        torch.maximum(x[:head], torch.neg(b), out=x[:head])
+        k = offset // block_size
+        torch.minimum(x[:head], hi[k, 0], out=x[:head])
+        torch.maximum(x[:head], lo[k, 0], out=x[:head])
         i = head
     k = (offset + i) // block_size
     m = (n - i) // block_size
     if m:
         v = x[i : i + m * block_size].view(m, block_size)
-        b = bounds[k : k + m].unsqueeze(1)
-        torch.minimum(v, b, out=v)
-        torch.maximum(v, torch.neg(b), out=v)
+        torch.minimum(v, hi[k : k + m], out=v)
+        torch.maximum(v, lo[k : k + m], out=v)
         i += m * block_size
     if i < n:
-        b = bounds[k + m]
-        torch.minimum(x[i:], b, out=x[i:])
-        torch.maximum(x[i:], torch.neg(b), out=x[i:])
+        torch.minimum(x[i:], hi[k + m, 0], out=x[i:])
+        torch.maximum(x[i:], lo[k + m, 0], out=x[i:])
 
 
 def eager_args(outer) -> dict[str, Any]:
@@ -348,9 +367,14 @@ class SyncAdamW:
         self.steps = t
 
 
-#: Elements per block of the fused Nesterov step (:func:`_nesterov_fused`): 128 Ki fp32 = 512 KiB per array, so
-#: the block's weights, momentum, aggregate and two scratch arrays stay in a core's L2 cache between the ops.
-FUSED_BLOCK = 1 << 17
+#: Elements per block of the fused Nesterov step (:func:`_nesterov_fused`): 512 Ki fp32 = 2 MiB per array, so a
+#: block's weights, momentum, aggregate and scratch (8 MiB) stay in cache between its 6-8 kernels. Issue 27, session
+#: 46, one thread at P = 89M: 128 Ki took ~10 % longer (4x the calls, ~1 µs each, 8 a block); 1 Mi no faster.
+FUSED_BLOCK = 1 << 19
+#: Elements per piece of the momentum clip's clamp inside a fused block, from the start of a span: the fused block
+#: of sessions 39-45. ``minimum`` / ``maximum`` at a zero bound give ``-0`` or ``+0`` by whether an element falls in
+#: their vectorised loop or its scalar tail, which the pieces decide: the same pieces keep those bits too.
+CLAMP_PIECE = 1 << 17
 #: Inputs bounded by this (and the outer lr below :data:`FUSED_MAX_LR`) cannot make the Nesterov step overflow
 #: fp32 (max 3.4e38): |new momentum| <= 2T, |update| <= lr x 3T, |new weight| <= T + 3 lr T.
 FUSED_BOUND = 1e30
@@ -386,30 +410,43 @@ def _state_bound(outer, theta: torch.Tensor) -> float:
     return max(_abs_max(theta), _abs_max(buf))
 
 
+def _scalar(x: float) -> torch.Tensor:
+    """``x`` as a 0-dim fp32 tensor: a kernel rounds a Python float operand to fp32 once, so the products are the same
+    bits; a tensor skips wrapping the float anew on each call (~5 µs a kernel, 4 of them per block)."""
+    return torch.tensor(float(x), dtype=torch.float32)
+
+
 def _nesterov_fused(
     outer: OuterNesterov, theta, aggregate, spans: Sequence[tuple[int, int]], part_start: int = 0, bounds=None
 ) -> None:
     """One :meth:`OuterNesterov.step` on the elements of ``spans`` of ``theta`` / ``outer.buf``, block by block
-    (:data:`FUSED_BLOCK`): every op of a block works in cache, so the step reads θ, the momentum and the
-    aggregate once and writes θ and the momentum once (5 passes over the state, against 4 for a ``copy_`` of
-    θ and the momentum; the whole-vector step makes ~14 and the per-part one ~21 with its copies). The same
-    ops in the same order as :meth:`OuterNesterov.step`: bitwise equal. The caller checked that no value can
-    overflow. ``bounds``: the momentum clip's per-block bounds of the part that starts at ``part_start``
-    (:func:`block_bounds` of its aggregate), or None (no clip)."""
-    mu, lr = outer.momentum, outer.lr
+    (:data:`FUSED_BLOCK`): every kernel of a block works in cache, so the step reads θ, the momentum and the
+    aggregate once from memory and writes θ and the momentum once (5 passes over the state, against 4 for a
+    ``copy_`` of θ and the momentum; the whole-vector step makes ~14 and the per-part one ~21 with its copies).
+    The same kernels in the same order as :meth:`OuterNesterov.step`: bitwise equal. The caller checked that no
+    value can overflow. ``bounds``: the momentum clip's per-block bounds of the part that starts at
+    ``part_start`` (:func:`block_bounds` of its aggregate), or None (no clip).
+
+    In cache a block costs its kernels' array streams (~150 GB/s here): ``μ·buf`` is written over the momentum
+    itself (r/w 1 array; the scratch copy of sessions 39-45 held the same value and cost r 1, w 1 more), μ and η
+    are fp32 0-dim tensors (:func:`_scalar`), the clip's ``±bounds`` are made once a part (:func:`_clamp`, in
+    :data:`CLAMP_PIECE` pieces). Kernels a block: ``buf·μ``, ``+g`` (the clip's ``minimum``, ``maximum``),
+    ``buf·μ -> u``, ``g+u``, ``u·η``, ``θ-u``."""
     buf = outer.buf
     assert buf is not None
-    nb = torch.empty(FUSED_BLOCK, dtype=torch.float32)
+    mu, lr = _scalar(outer.momentum), _scalar(outer.lr)
     upd = torch.empty(FUSED_BLOCK, dtype=torch.float32)
+    if bounds is not None:
+        hi, lo = bounds.unsqueeze(1), torch.neg(bounds).unsqueeze(1)
     for s, e in spans:
         for a in range(s, e, FUSED_BLOCK):
             z = min(e, a + FUSED_BLOCK)
-            n = z - a
-            g, b, th, m, u = aggregate[a:z], buf[a:z], theta[a:z], nb[:n], upd[:n]
-            torch.mul(b, mu, out=m)  # m = μ·buf
-            torch.add(m, g, out=b)  # buf = m + g (written: its block is in cache)
+            g, b, th, u = aggregate[a:z], buf[a:z], theta[a:z], upd[: z - a]
+            torch.mul(b, mu, out=b)  # buf = μ·buf
+            torch.add(b, g, out=b)  # buf = buf + g
             if bounds is not None:
-                clamp_blocks(b, bounds, a - part_start, outer.block_size)
+                for c in range(a, z, CLAMP_PIECE):
+                    _clamp(buf[c : min(z, c + CLAMP_PIECE)], hi, lo, c - part_start, outer.block_size)
             torch.mul(b, mu, out=u)  # u = μ·buf
             torch.add(g, u, out=u)  # u = g + u
             torch.mul(u, lr, out=u)  # u = η·u

@@ -44,7 +44,7 @@ from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.util.exit_gc import freeze_startup_heap
 from geomesh_p2p.net.identity import Identity, IdentityError, allow_list
 from geomesh_p2p.net.links import LinkProbeService
-from geomesh_p2p.telemetry.looplag import LoopLagMonitor
+from geomesh_p2p.telemetry.looplag import LoopLagMonitor, monitor_from_env
 from geomesh_p2p.telemetry.metrics import RoundLog, RoundRecord
 from geomesh_p2p.model.optim import OuterNesterov, SyncAdamW, eager_args, eager_start
 from geomesh_p2p.schema.peer import MAX_LINK_BPS, MAX_TOKENS_PER_S, MIN_LINK_BPS, MIN_TOKENS_PER_S, PeerRecord
@@ -432,7 +432,7 @@ class PeerNode:
         freeze_startup_heap()  # the run's full collections skip the imports' and the model's objects (join's own process)
         self._stop_point("after building training")
         self._init_ema(probed)
-        self.looplag = LoopLagMonitor()  # worst event-loop stall per round, in each row (loop_stall_ms)
+        self.looplag = monitor_from_env()  # worst event-loop stall per round, in each row (loop_stall_ms)
         self.looplag.start()
 
     def _stop_point(self, where: str) -> None:

@@ -29,12 +29,15 @@ import time
 import traceback
 from typing import Optional
 
-__all__ = ["LoopLagMonitor", "GcClock", "gc_clock", "stack_summary"]
+__all__ = ["LoopLagMonitor", "GcClock", "gc_clock", "stack_summary", "monitor_from_env", "TRACE_ENV"]
 
 log = logging.getLogger(__name__)
 
 #: Innermost frames a stall's location names.
 STALL_FRAMES = 4
+#: Environment variable for a diagnostic run: the stall length (milliseconds) from which the node's monitor locates and
+#: logs a stall (default 250 ms), every such stall at INFO, the host-busy ones too (:func:`monitor_from_env`)
+TRACE_ENV = "GEOMESH_LOOPLAG_TRACE_MS"
 #: A stall sampled only in the loop's selector is logged at DEBUG when the loop thread ran less than this share of it
 #: (it waited for a CPU or the GIL), else at INFO
 OWN_CODE_SHARE = 0.25
@@ -110,6 +113,23 @@ class _Stall:
         self.samples: collections.Counter = collections.Counter()
 
 
+def monitor_from_env() -> "LoopLagMonitor":
+    """The node's monitor: stalls located from 250 ms, or from :data:`TRACE_ENV` milliseconds (> 0) for a diagnostic
+    run, whose located stalls are all logged at INFO. A value that is not a positive number: the default, with a
+    WARNING."""
+    raw = os.environ.get(TRACE_ENV, "").strip()
+    if not raw:
+        return LoopLagMonitor()
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not (ms > 0 and ms < float("inf")):
+        log.warning("%s=%r is not a positive number of milliseconds: stalls located from 250 ms", TRACE_ENV, raw[:40])
+        return LoopLagMonitor()
+    return LoopLagMonitor(trace_after_s=ms / 1000.0, all_at_info=True)
+
+
 class LoopLagMonitor:
     """Measures the event loop's stalls: an owned task that sleeps ``interval_s`` seconds and records how
     late it woke (``time.perf_counter``).
@@ -131,13 +151,15 @@ class LoopLagMonitor:
     Raises ValueError for ``interval_s <= 0`` or ``trace_after_s <= 0``.
     """
 
-    def __init__(self, interval_s: float = 0.02, trace_after_s: Optional[float] = 0.25):
+    def __init__(self, interval_s: float = 0.02, trace_after_s: Optional[float] = 0.25, all_at_info: bool = False):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if trace_after_s is not None and not trace_after_s > 0:
             raise ValueError(f"trace_after_s must be > 0 or None, got {trace_after_s}")
         self.interval_s = float(interval_s)
         self.trace_after_s = trace_after_s
+        #: log every located stall at INFO (a diagnostic run), not the host-busy ones at DEBUG
+        self.all_at_info = bool(all_at_info)
         self.worst_ever = 0.0
         self.samples = 0
         self.stalls: collections.deque = collections.deque(maxlen=32)
@@ -237,7 +259,7 @@ class LoopLagMonitor:
         quiet = (
             idle and ran is not None and ran < OWN_CODE_SHARE * stall.blocked and in_gc < OWN_CODE_SHARE * stall.blocked
         )
-        level = logging.DEBUG if quiet else logging.INFO
+        level = logging.DEBUG if quiet and not self.all_at_info else logging.INFO
         log.log(level, "event loop blocked for %.0f ms%s: %s%s", stall.blocked * 1e3, spent, where, meanwhile)
 
     def _thread_cpu(self) -> Optional[float]:
