@@ -38,6 +38,7 @@ persist.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from typing import Any, Sequence
@@ -193,15 +194,30 @@ def block_maxima(g: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def clamp_blocks(x: torch.Tensor, bounds: torch.Tensor, offset: int, block_size: int) -> None:
     """In place ``x[i] = min(max(x[i], -b), b)`` with ``b = bounds[(offset + i) // block_size]``: ``x`` holds the
-    elements ``[offset, offset + len(x))`` of a vector whose blocks :func:`block_bounds` measured. Exact
-    (min / max round nothing), so any split of the vector into pieces gives the same bits."""
-    _clamp(x, bounds.unsqueeze(1), torch.neg(bounds).unsqueeze(1), offset, block_size)
+    elements ``[offset, offset + len(x))`` of a vector whose blocks :func:`block_bounds` measured; a block whose
+    bound is 0 is set to ``+0``. Exact (min / max round nothing), so any split of the vector into pieces, any thread
+    count and any vector width give the same bits."""
+    _clamp(x, bounds.unsqueeze(1), torch.neg(bounds).unsqueeze(1), offset, block_size, zero_blocks(bounds))
 
 
-def _clamp(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, offset: int, block_size: int) -> None:
-    """:func:`clamp_blocks` with the bounds ``hi`` = ``bounds[:, None]`` and ``lo`` = ``-bounds[:, None]`` made once
-    (the fused step clamps a part block after block): the same pieces (a head to the next block start, the whole
-    blocks as one ``[m, B]`` view, a tail) and the same two kernels on each, ``minimum`` then ``maximum``."""
+def zero_blocks(bounds: torch.Tensor) -> list[int]:
+    """Sorted indices of the blocks whose bound is 0 (``bounds``: fp32 ``[n_blocks]``, :func:`block_bounds`)."""
+    return torch.eq(bounds, 0).nonzero().flatten().tolist()
+
+
+def _clamp(
+    x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, offset: int, block_size: int, zeros: Sequence[int] = ()
+) -> None:
+    """:func:`clamp_blocks` with the bounds ``hi`` = ``bounds[:, None]``, ``lo`` = ``-bounds[:, None]`` and the
+    bound-0 blocks ``zeros`` (:func:`zero_blocks`) made once (the fused step clamps a part block after block): a head
+    to the next block start, the whole blocks as one ``[m, B]`` view and a tail, ``minimum`` then ``maximum`` on
+    each, then every element of a bound-0 block set to ``+0``.
+
+    Why the last (issue 27, session 46): ``minimum`` / ``maximum`` of ``-0`` and ``+0`` may return either, and
+    torch's CPU kernels return one or the other by whether an element falls in their vectorised loop or its scalar
+    tail, i.e. by thread count, vector width and where a piece starts: 1 and 3 threads differed in 14 of 131,072
+    elements of such a block, so two honest peers' momentum, and their state digests, could differ. Off a zero
+    bound the two kernels never compare signed zeros with each other (``|b| > 0``): the same bits everywhere."""
     n = x.numel()
     i = 0
     head = min(n, (-offset) % block_size)
@@ -220,6 +236,10 @@ def _clamp(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, offset: int, blo
     if i < n:
         torch.minimum(x[i:], hi[k + m, 0], out=x[i:])
         torch.maximum(x[i:], lo[k + m, 0], out=x[i:])
+    if zeros:
+        first, end = offset // block_size, (offset + n - 1) // block_size
+        for z in zeros[bisect.bisect_left(zeros, first) : bisect.bisect_right(zeros, end)]:
+            x[max(0, z * block_size - offset) : min(n, (z + 1) * block_size - offset)].zero_()
 
 
 def eager_args(outer) -> dict[str, Any]:
@@ -371,10 +391,6 @@ class SyncAdamW:
 #: block's weights, momentum, aggregate and scratch (8 MiB) stay in cache between its 6-8 kernels. Issue 27, session
 #: 46, one thread at P = 89M: 128 Ki took ~10 % longer (4x the calls, ~1 µs each, 8 a block); 1 Mi no faster.
 FUSED_BLOCK = 1 << 19
-#: Elements per piece of the momentum clip's clamp inside a fused block, from the start of a span: the fused block
-#: of sessions 39-45. ``minimum`` / ``maximum`` at a zero bound give ``-0`` or ``+0`` by whether an element falls in
-#: their vectorised loop or its scalar tail, which the pieces decide: the same pieces keep those bits too.
-CLAMP_PIECE = 1 << 17
 #: Inputs bounded by this (and the outer lr below :data:`FUSED_MAX_LR`) cannot make the Nesterov step overflow
 #: fp32 (max 3.4e38): |new momentum| <= 2T, |update| <= lr x 3T, |new weight| <= T + 3 lr T.
 FUSED_BOUND = 1e30
@@ -429,15 +445,15 @@ def _nesterov_fused(
 
     In cache a block costs its kernels' array streams (~150 GB/s here): ``μ·buf`` is written over the momentum
     itself (r/w 1 array; the scratch copy of sessions 39-45 held the same value and cost r 1, w 1 more), μ and η
-    are fp32 0-dim tensors (:func:`_scalar`), the clip's ``±bounds`` are made once a part (:func:`_clamp`, in
-    :data:`CLAMP_PIECE` pieces). Kernels a block: ``buf·μ``, ``+g`` (the clip's ``minimum``, ``maximum``),
-    ``buf·μ -> u``, ``g+u``, ``u·η``, ``θ-u``."""
+    are fp32 0-dim tensors (:func:`_scalar`), the clip's ``±bounds`` and bound-0 blocks are found once a part
+    (:func:`_clamp`). Kernels a block: ``buf·μ``, ``+g`` (the clip's ``minimum``, ``maximum``), ``buf·μ -> u``,
+    ``g+u``, ``u·η``, ``θ-u``."""
     buf = outer.buf
     assert buf is not None
     mu, lr = _scalar(outer.momentum), _scalar(outer.lr)
     upd = torch.empty(FUSED_BLOCK, dtype=torch.float32)
     if bounds is not None:
-        hi, lo = bounds.unsqueeze(1), torch.neg(bounds).unsqueeze(1)
+        hi, lo, zeros = bounds.unsqueeze(1), torch.neg(bounds).unsqueeze(1), zero_blocks(bounds)
     for s, e in spans:
         for a in range(s, e, FUSED_BLOCK):
             z = min(e, a + FUSED_BLOCK)
@@ -445,8 +461,7 @@ def _nesterov_fused(
             torch.mul(b, mu, out=b)  # buf = μ·buf
             torch.add(b, g, out=b)  # buf = buf + g
             if bounds is not None:
-                for c in range(a, z, CLAMP_PIECE):
-                    _clamp(buf[c : min(z, c + CLAMP_PIECE)], hi, lo, c - part_start, outer.block_size)
+                _clamp(b, hi, lo, a - part_start, outer.block_size, zeros)
             torch.mul(b, mu, out=u)  # u = μ·buf
             torch.add(g, u, out=u)  # u = g + u
             torch.mul(u, lr, out=u)  # u = η·u

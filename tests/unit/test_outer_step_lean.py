@@ -35,7 +35,8 @@ def old_block_maxima(g: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def old_clamp_blocks(x: torch.Tensor, bounds: torch.Tensor, offset: int, block_size: int) -> None:
-    """Session 45's ``clamp_blocks``."""
+    """Session 45's ``clamp_blocks``, then every element of a bound-0 block ``+0`` (session 46: ``minimum`` /
+    ``maximum`` of signed zeros gave either sign, by thread count and piece)."""
     n = x.numel()
     i = 0
     head = min(n, (-offset) % block_size)
@@ -56,6 +57,7 @@ def old_clamp_blocks(x: torch.Tensor, bounds: torch.Tensor, offset: int, block_s
         b = bounds[k + m]
         torch.minimum(x[i:], b, out=x[i:])
         torch.maximum(x[i:], torch.neg(b), out=x[i:])
+    x[bounds[torch.div(torch.arange(offset, offset + n), block_size, rounding_mode="floor")] == 0] = 0.0
 
 
 def old_fused(outer, theta, aggregate, spans, part_start, bounds, block) -> None:
@@ -151,9 +153,36 @@ def test_the_lean_clipped_step_has_session_45s_bits(mu, lr, c):
             assert int(hits.sum()) == B // 2 - 1  # 512 at +bound, 511 at -bound
     assert o_new.steps == o_old.steps == 3
     assert got[0] == [(0, 5 * B)]
-    # the edge cases were there: zeros of both signs in the bound-0 block, and exact hits of the bound
+    # the edge cases were there: the bound-0 block's momentum all +0 (its inputs held zeros of both signs)
     z = o_new.buf[B : 2 * B]
-    assert bool((z == 0).all()) and bool(torch.signbit(z).any())
+    assert bool((z == 0).all()) and not bool(torch.signbit(z).any())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_bound_0_block_has_the_same_bits_at_any_thread_count_and_piece(threads):
+    """``minimum`` / ``maximum`` of ``-0`` and ``+0`` return either by where an element falls in the kernel's vector
+    loop (thread count, piece start): 1 and 3 threads differed in 14 of 131,072 elements before session 46. Now a
+    bound-0 block is +0 whatever the threads and however the vector is cut into pieces."""
+    n = 64 * B + 77
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(n, generator=g)
+    x0[::3] = 0.0
+    x0[1::3] = -0.0
+    bounds = torch.rand(-(-n // B), generator=g)
+    bounds[::2] = 0.0
+    want = x0.clone()
+    old_clamp_blocks(want, bounds, 0, B)  # the reference: element-wise, +0 in bound-0 blocks
+    assert not bool(torch.signbit(want[:B]).any()) and bool(torch.signbit(want[B : 2 * B]).any())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for piece in (n, 1 << 17, 5 * B + 13, 999):
+            x = x0.clone()
+            for a in range(0, n, piece):
+                optim.clamp_blocks(x[a : a + piece], bounds, a, B)
+            assert torch.equal(_bits(x), _bits(want)), piece
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_clip_is_applied_in_the_fused_step():
