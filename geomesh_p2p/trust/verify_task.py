@@ -330,12 +330,14 @@ def derive_task(
 
 
 def _eligible(
-    cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]]
+    cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]], *, floor: bool = True
 ) -> list[tuple[Any, int, tuple[int, ...]]]:
     """``(assignment, steps it trained by its claim, the parts it sent as sign packets)`` of every contributor
     of ``plan`` a check may pick, in the plan's order: at least ``cfg.min_steps`` steps planned, and claimed at least
     its token floor's steps (:func:`claim_floor_steps`: the gain test's steps where the plan gives them, from
-    ``gain_first_round`` on; a claim under it counts 0 tokens, so a check of it would decide nothing counted)."""
+    ``gain_first_round`` on; a claim under it counts 0 tokens, so a check of it would decide nothing counted).
+    ``floor`` False: ``cfg.min_steps`` claimed (a power reference, :func:`reference_task`: an honest checker's own
+    contribution stopped under its floor still measures the round's power, as before session 46)."""
     L = int(plan.seq_len)
     out = []
     for a in plan.assignments:
@@ -349,10 +351,14 @@ def _eligible(
             continue
         tokens = min(max(p.tokens for p in got.values()), a.token_budget)
         steps = min(a.inner_steps, tokens // max(1, a.batch_size * L))
-        floor = claim_floor_steps(
-            cfg, round=int(plan.round), inner_steps=int(a.inner_steps), batch_size=int(a.batch_size), seq_len=L
+        least = (
+            claim_floor_steps(
+                cfg, round=int(plan.round), inner_steps=int(a.inner_steps), batch_size=int(a.batch_size), seq_len=L
+            )
+            if floor
+            else cfg.min_steps
         )
-        if steps >= floor:  # under it the claim counts 0 tokens (round.rules.spec.screen_token_floor): nothing to check
+        if steps >= least:  # under it the claim counts 0 tokens (round.rules.spec.screen_token_floor): nothing to check
             out.append((a, steps, tuple(sorted(got))))
     return out
 
@@ -570,7 +576,7 @@ def reference_task(
     every part of ``task`` (the reference must cover the same parameters). Pure."""
     if checker == task.accused:
         return None
-    entry = next((e for e in _eligible(cfg, plan, packets) if e[0].peer_id == checker), None)
+    entry = next((e for e in _eligible(cfg, plan, packets, floor=False) if e[0].peer_id == checker), None)
     if entry is None:
         return None
     a, steps, parts = entry

@@ -25,11 +25,14 @@ from geomesh_p2p.round.rules.spec import screen_token_floor
 from geomesh_p2p.round.steps import floor_steps
 from geomesh_p2p.trust.verify_commit import Committed
 from geomesh_p2p.trust.verify_task import (
+    SCREEN,
     VerifyConfig,
+    VerifyTask,
     _eligible,
     _sampled_pool,
     claim_floor_steps,
     gain_floor_steps,
+    reference_task,
     sample_probability,
     sampled_candidates,
     screen_candidates,
@@ -236,6 +239,9 @@ def test_the_sampled_draws_take_only_what_counts_and_what_the_gain_test_decides(
     assert sampled_candidates(everyone, plan, packets, b"s" * 32) == ["b", "e"]
     # the claims that count 0 are not screened either: screen_candidates of a screened round (2) likewise
     assert screen_candidates(cfg, _planned({"a": 8, "b": 8, "c": 6}, round=2), packets) == ["b", "c"]
+    # ... but a checker's own contribution under its floor is still its power reference (honest work, stopped early)
+    task = VerifyTask(9, "e", "b", (0,), ((0, 64),), 7, (), 16, 8, L, 1, 0, False, kind=SCREEN)
+    assert reference_task(cfg, task, plan=plan, packets=packets, checker="a").steps_done == 6
 
 
 def test_an_honest_screened_peer_trains_the_floors_steps_past_the_deadline_if_it_must():
