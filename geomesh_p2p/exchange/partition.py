@@ -239,7 +239,8 @@ class CollectiveSpec:
         token_floor: base58 PeerID -> fewest tokens its claim must carry to count: a claim below it (after the cap)
             counts 0 tokens, so the contribution has no weight and is left out (issue 28's ``min_steps`` dodge:
             what no verified-work check can screen, :data:`geomesh_p2p.trust.verify_task.VerifyConfig.min_steps`,
-            is not aggregated). Absent or 0: no floor. See :meth:`counted_tokens`.
+            is not aggregated; from round 2 on the loss-gain test's 1,792 tokens for a peer planned that many, sessions
+            45-46: :func:`geomesh_p2p.trust.verify_task.claim_floor_steps`). Absent or 0: no floor. See :meth:`counted_tokens`.
         max_scale: the largest block scale (mean ``|x|`` of a block, the unit of the pseudo-gradient) an honest
             ``"sign"`` aggregate of this round can have (:func:`geomesh_p2p.round.rules.spec.aggregate_scale_bound`);
             every reader refuses a result above it (:func:`~geomesh_p2p.exchange.aggregate.decode_aggregate`).

@@ -93,7 +93,8 @@ batches honestly and fakes the rest (at most in proportion to what it skips, "fi
 scaling within the bound (the aggregation's clip is the defence there), anything in a round where
 nobody checks it, a contribution of a peer planned fewer than ``min_steps`` steps (never drawn: the thresholds
 are not measured there; one planned more that claims fewer counts 0 tokens since session 32:
-:func:`geomesh_p2p.round.rules.spec.screen_token_floor`), and everything in reencode mode (nobody but the owner sees a contribution). In
+:func:`geomesh_p2p.round.rules.spec.screen_token_floor`; session 46: the gain test's 1,792 tokens from round 2
+on where planned, ``verify_task.claim_floor_steps``, and no draw takes a claim counting 0), and everything in reencode mode (nobody but the owner sees a contribution). In
 accountable mode the draws read the part results' commitments and a check fetches the accused's contributions to
 at most 2 of its parts, checked against them (:mod:`.verify_commit`, session 19). A late verdict can be
 re-checked only by peers that still keep its round (``recheck_rounds`` = 12, 3 before session 16, when at small

@@ -33,6 +33,8 @@ __all__ = [
     "screen_candidates",
     "screened_in_round",
     "screen_steps",
+    "gain_floor_steps",
+    "claim_floor_steps",
     "sample_probability",
     "sampled_candidates",
     "gain_order",
@@ -328,10 +330,14 @@ def derive_task(
 
 
 def _eligible(
-    cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]]
+    cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]], *, floor: bool = True
 ) -> list[tuple[Any, int, tuple[int, ...]]]:
     """``(assignment, steps it trained by its claim, the parts it sent as sign packets)`` of every contributor
-    of ``plan`` a check may pick (at least ``cfg.min_steps`` steps planned and claimed), in the plan's order."""
+    of ``plan`` a check may pick, in the plan's order: at least ``cfg.min_steps`` steps planned, and claimed at least
+    its token floor's steps (:func:`claim_floor_steps`: the gain test's steps where the plan gives them, from
+    ``gain_first_round`` on; a claim under it counts 0 tokens, so a check of it would decide nothing counted).
+    ``floor`` False: ``cfg.min_steps`` claimed (a power reference, :func:`reference_task`: an honest checker's own
+    contribution stopped under its floor still measures the round's power, as before session 46)."""
     L = int(plan.seq_len)
     out = []
     for a in plan.assignments:
@@ -345,7 +351,14 @@ def _eligible(
             continue
         tokens = min(max(p.tokens for p in got.values()), a.token_budget)
         steps = min(a.inner_steps, tokens // max(1, a.batch_size * L))
-        if steps >= cfg.min_steps:
+        least = (
+            claim_floor_steps(
+                cfg, round=int(plan.round), inner_steps=int(a.inner_steps), batch_size=int(a.batch_size), seq_len=L
+            )
+            if floor
+            else cfg.min_steps
+        )
+        if steps >= least:  # under it the claim counts 0 tokens (round.rules.spec.screen_token_floor): nothing to check
             out.append((a, steps, tuple(sorted(got))))
     return out
 
@@ -388,8 +401,41 @@ def screen_steps(cfg: VerifyConfig, *, round: int, probation: bool, batch_size: 
     claims under them count 0 tokens (``round.rules.spec.screen_token_floor``)."""
     if not screened_in_round(cfg, round, probation):
         return 0
+    return gain_floor_steps(cfg, batch_size=batch_size, seq_len=seq_len)
+
+
+def gain_floor_steps(cfg: VerifyConfig, *, batch_size: int, seq_len: int) -> int:
+    """``S``: the fewest inner steps at ``batch_size`` x ``seq_len`` tokens a step on which the loss-gain test decides,
+    ``max(cfg.min_steps, ceil(cfg.gain_min_tokens / (batch_size x seq_len)))`` (7 at 8 x 32, 14 at 4 x 32, 5 from
+    batch 12 x 32 up)."""
     per_step = max(1, int(batch_size) * int(seq_len))
     return max(int(cfg.min_steps), -(-int(cfg.gain_min_tokens) // per_step))
+
+
+def claim_floor_steps(cfg: VerifyConfig, *, round: int, inner_steps: int, batch_size: int, seq_len: int) -> int:
+    """Fewest steps (of ``batch_size`` x ``seq_len`` tokens) a claim of a contributor planned ``inner_steps`` in
+    ``round`` must hold to count (``round.rules.spec.screen_token_floor``, relay and accountable rounds of a
+    sign-compressed method) and to be drawn for a check or screen (:func:`_eligible`): 0 when planned under
+    ``cfg.min_steps`` (never drawn; ``screen_token_cap`` bounds such a claim); from ``cfg.gain_first_round`` on, the
+    gain test's ``S`` (:func:`gain_floor_steps`) when planned at least ``S``; else ``cfg.min_steps``. A function of
+    the plan's assignment and the run alone: every participant computes the same floor.
+
+    Why (session 46; session 45 did this for screened contributors only): any contribution of a round from
+    ``gain_first_round`` on may be drawn for a sampled screen (the gain test alone) or a sampled full check (whose gain
+    test is one of its statistics), and the gain test decides nothing under ``gain_min_tokens``: an established peer
+    planned 7 or more steps at batch 8 x 32 could claim 5-6 steps' tokens (1,280-1,536) and count them, undecidable
+    by any screen. Planned fewer than ``S`` (a short window, a run whose ``max_inner_steps`` or uniform ``H`` holds
+    fewer), it keeps the ``min_steps`` floor: counting 0 there would drop every honest claim the window cannot
+    raise to ``S`` (the reach test of ``plan.views.min_steps_of``, red team of session 45). An honest peer planned
+    ``S`` or more fits them in the window at its planned step time and may run them past the train deadline within
+    the floor's grace (``round.steps.floor_steps``)."""
+    if int(inner_steps) < cfg.min_steps:
+        return 0
+    if int(round) >= cfg.gain_first_round:
+        s = gain_floor_steps(cfg, batch_size=batch_size, seq_len=seq_len)
+        if int(inner_steps) >= s:
+            return s
+    return int(cfg.min_steps)
 
 
 #: Forward passes a training step costs (forward and backward: ~3 forwards' FLOPs), for the sampled screens' budget.
@@ -401,12 +447,11 @@ def sample_probability(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[in
     ``cfg.sample_share`` of the participants' own compute (``STEP_FORWARDS x inner_steps x batch_size`` row-forwards
     each) over what screening every established checkable contributor by ``sample_screeners`` would cost
     (``2 x (min(gain_assigned, steps) + gain_controls) x batch_size`` row-forwards a screen: the first of a round,
-    before its control losses are cached). In [0, 1]; 0 before ``gain_first_round``, with ``sample_share`` 0 or
-    nobody established. Pure: the same at every participant (the plan and the contributions received)."""
+    before its control losses are cached), those whose gain test decides (:func:`_sampled_pool`). In [0, 1]; 0
+    before ``gain_first_round``, with ``sample_share`` 0 or nobody established. Pure: the same at every participant (the plan and the contributions received)."""
     if cfg.sample_share <= 0 or int(plan.round) < cfg.gain_first_round:
         return 0.0
-    new = set(screen_candidates(cfg, plan, packets))
-    est = [(a, steps) for a, steps, _ in _eligible(cfg, plan, packets) if a.peer_id not in new]
+    est = _sampled_pool(cfg, plan, packets)
     n = min(cfg.sample_screeners, len(plan.assignments) - 1)
     cost = sum(n * 2 * (min(cfg.gain_assigned, steps) + cfg.gain_controls) * a.batch_size for a, steps in est)
     if cost <= 0:
@@ -416,20 +461,34 @@ def sample_probability(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[in
 
 
 def sampled_candidates(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]], seed: bytes) -> list[str]:
-    """The established contributors given a sampled screen in ``plan``'s round, sorted: each checkable contributor
-    that is not a newcomer (:func:`screen_candidates`) with probability :func:`sample_probability`, drawn by SHA-256
+    """The established contributors given a sampled screen in ``plan``'s round, sorted: each of
+    :func:`_sampled_pool` (checkable, not a newcomer, a claim the gain test decides) with probability
+    :func:`sample_probability`, drawn by SHA-256
     of the round's screening ``seed`` (:func:`screen_seed`: fixed only once every contribution was signed) and its
     PeerID. The same list at every participant; a contributor cannot tell in advance whether it is drawn."""
     p = sample_probability(cfg, plan, packets)
     if p <= 0:
         return []
-    new = set(screen_candidates(cfg, plan, packets))
     return sorted(
         a.peer_id
-        for a, _, _ in _eligible(cfg, plan, packets)
-        if a.peer_id not in new
-        and _u64(hashlib.sha256(seed + b"sampled\x00" + a.peer_id.encode()).digest()) / 2.0**64 < p
+        for a, _ in _sampled_pool(cfg, plan, packets)
+        if _u64(hashlib.sha256(seed + b"sampled\x00" + a.peer_id.encode()).digest()) / 2.0**64 < p
     )
+
+
+def _sampled_pool(cfg: VerifyConfig, plan, packets: Mapping[str, Mapping[int, Any]]) -> list[tuple[Any, int]]:
+    """``(assignment, claimed steps)`` of the contributors a sampled screen may draw in ``plan``'s round: checkable
+    (:func:`_eligible`), not a newcomer (:func:`screen_candidates`), and claiming at least ``cfg.gain_min_tokens``
+    tokens, on which the screen's gain test decides (session 46: below it a screen passes whatever was sent, so the
+    draw spent its compute on nothing; only a contributor planned under its gain floor's steps claims so few and
+    counts, :func:`claim_floor_steps`)."""
+    new = set(screen_candidates(cfg, plan, packets))
+    L = int(plan.seq_len)
+    return [
+        (a, steps)
+        for a, steps, _ in _eligible(cfg, plan, packets)
+        if a.peer_id not in new and steps * int(a.batch_size) * L >= cfg.gain_min_tokens
+    ]
 
 
 def screen_seed(run_id: str, plan, packets: Mapping[str, Mapping[int, Any]]) -> bytes:
@@ -517,7 +576,7 @@ def reference_task(
     every part of ``task`` (the reference must cover the same parameters). Pure."""
     if checker == task.accused:
         return None
-    entry = next((e for e in _eligible(cfg, plan, packets) if e[0].peer_id == checker), None)
+    entry = next((e for e in _eligible(cfg, plan, packets, floor=False) if e[0].peer_id == checker), None)
     if entry is None:
         return None
     a, steps, parts = entry

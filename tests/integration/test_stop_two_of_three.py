@@ -35,7 +35,7 @@ from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.round import gather as gather_phase
 from geomesh_p2p.round.policy import NodeRoundPolicy
 from geomesh_p2p.telemetry import events
-from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
+from geomesh_p2p.trust.verify_task import VerifyConfig, claim_floor_steps
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
@@ -198,11 +198,12 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
 
 
 def floor_steps_of(row, seq_len: int) -> int:
-    """The steps of ``row``'s token floor in the stop round: ``min_steps``, or in a round that screens every
-    contributor (``STOP_ROUND`` 2, session 45) the loss-gain test's ``gain_min_tokens`` in whole steps of its batch
-    (14 at batch 4 x 32)."""
-    steps = screen_steps(VerifyConfig(), round=row.round, probation=False, batch_size=row.batch_size, seq_len=seq_len)
-    return max(VerifyConfig.min_steps, steps)
+    """The steps of ``row``'s token floor (``verify_task.claim_floor_steps``): from round 2 on (``STOP_ROUND``) the
+    loss-gain test's ``gain_min_tokens`` in whole steps of its batch (14 at batch 4 x 32) where it was planned that
+    many, else ``min_steps`` (sessions 45-46)."""
+    return claim_floor_steps(
+        VerifyConfig(), round=row.round, inner_steps=row.inner_steps_planned, batch_size=row.batch_size, seq_len=seq_len
+    )
 
 
 async def test_a_survivor_still_gathering_when_both_others_leave_follows_the_plan_naming_it(tmp_path, monkeypatch):

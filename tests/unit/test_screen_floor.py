@@ -5,7 +5,9 @@ The gain test decides nothing under ``VerifyConfig.gain_min_tokens`` (1,792 toke
 its whole claim and could never be decided. Now the AWB leader plans it at least ``ceil(1792 / 256)`` = 7 steps
 (``plan.views.min_steps_of``), a follower refuses fewer, its claim counts from 1,792 tokens on
 (``round.rules.spec.screen_token_floor``), and an honest peer trains up to them (``round.steps.floor_steps``, a grace
-past the train deadline). Unscreened rounds and peers keep ``min_steps``' floor and their window's steps."""
+past the train deadline). Unscreened rounds and peers keep their window's steps; session 46: any peer planned 7 steps
+or more has the 1,792-token floor from round 2 on (``verify_task.claim_floor_steps``), and the sampled draws take
+only claims that count and, for a screen, that the gain test decides."""
 
 from __future__ import annotations
 
@@ -21,7 +23,22 @@ from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig
 from geomesh_p2p.plan.views import min_steps_of
 from geomesh_p2p.round.rules.spec import screen_token_floor
 from geomesh_p2p.round.steps import floor_steps
-from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps, screened_in_round
+from geomesh_p2p.trust.verify_commit import Committed
+from geomesh_p2p.trust.verify_task import (
+    SCREEN,
+    VerifyConfig,
+    VerifyTask,
+    _eligible,
+    _sampled_pool,
+    claim_floor_steps,
+    gain_floor_steps,
+    reference_task,
+    sample_probability,
+    sampled_candidates,
+    screen_candidates,
+    screen_steps,
+    screened_in_round,
+)
 from tests.records_util import peer_record
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,23 +155,93 @@ def _spec(plan) -> CollectiveSpec:
     )
 
 
-def test_a_screened_claim_under_the_gain_floor_counts_nothing_an_unscreened_one_counts():
-    screened, unscreened = _spec(_plan(2)), _spec(_plan(5))
+def test_a_claim_under_the_gain_floor_counts_nothing_where_the_plan_gives_its_steps():
+    screened, later = _spec(_plan(2)), _spec(_plan(5))
     assert screened.token_floor == {p: 7 * STEP_TOKENS for p in IDS}  # 1,792: whole steps of the gain floor
-    assert unscreened.token_floor == {p: 5 * STEP_TOKENS for p in IDS}  # 1,280: min_steps, as before
+    # session 46: an established peer planned 7 or more has the gain floor too; the slow one, planned its window's
+    # 5 (the leader raises only screened peers), keeps min_steps' (1,280)
+    assert later.token_floor == {SLOW: 5 * STEP_TOKENS, **{p: 7 * STEP_TOKENS for p in FAST}}
     fast = FAST[0]
-    # 6 steps' claim (1,536 tokens): nothing where screened, all of it where not
+    # 6 steps' claim (1,536 tokens) of a peer planned 10: nothing, screened or not (session 45: all of it when not)
     assert screened.counted_tokens(fast, 6 * STEP_TOKENS) == 0
-    assert unscreened.counted_tokens(fast, 6 * STEP_TOKENS) == 6 * STEP_TOKENS
-    assert screened.counted_tokens(fast, 7 * STEP_TOKENS) == 7 * STEP_TOKENS
+    assert later.counted_tokens(fast, 6 * STEP_TOKENS) == 0
+    assert [later.counted_tokens(fast, 256 * k) for k in (5, 6, 7, 8, 10, 11)] == [0, 0, 1792, 2048, 2560, 2560]
     assert [screened.counted_tokens(SLOW, 256 * k) for k in (5, 6, 7, 8)] == [0, 0, 1792, 1792]  # capped at 7
-    # a probation peer later: the gain floor for it alone
-    later = screen_token_floor(_plan(5, probation=(SLOW,)), "sign")
-    assert later == {SLOW: 1792, **{p: 1280 for p in FAST}}
+    # the slow peer's window holds 5 steps: its 5 count, as before (no floor it cannot reach at its planned step)
+    assert [later.counted_tokens(SLOW, 256 * k) for k in (4, 5, 6)] == [0, 1280, 1280]
+    # a probation peer later: the gain floor, raised to 7 steps by the leader
+    assert screen_token_floor(_plan(5, probation=(SLOW,)), "sign") == {p: 1792 for p in IDS}
     # a run whose steps hold fewer than the gain floor (max_inner_steps 6): min_steps' floor, as before
     capped = _plan(2, cfg=_cfg(max_inner_steps=6))
     assert _steps(capped) == {SLOW: 6, **{p: 6 for p in FAST}}
     assert screen_token_floor(capped, "sign") == {p: 1280 for p in IDS}
+    assert set(screen_token_floor(_plan(9, cfg=_cfg(max_inner_steps=6)), "sign").values()) == {1280}
+
+
+def _planned(steps: dict[str, int], round: int = 9, batch: int = BATCH):
+    """A plan of established peers (no probation) planned ``steps`` at ``batch`` x 32 in ``round``."""
+    rows = [
+        SimpleNamespace(peer_id=p, batch_size=batch, inner_steps=h, token_budget=h * batch * L, probation=False)
+        for p, h in steps.items()
+    ]
+    return SimpleNamespace(round=round, mode="accountable", seq_len=L, start_digest="d", assignments=rows)
+
+
+def test_an_established_peer_planned_the_gain_floor_has_it_in_every_round_from_gain_first_round():
+    """Session 46: the floor per peer, a pure function of the plan (``claim_floor_steps``): S = 7 at 8 x 32 for a peer
+    planned 7+, min_steps (5) for one planned 5-6, none under 5; rounds 0-1 (no gain test) keep min_steps."""
+    cfg = VerifyConfig()
+    kw = dict(batch_size=8, seq_len=L)
+    assert [claim_floor_steps(cfg, round=9, inner_steps=h, **kw) for h in (3, 4, 5, 6, 7, 8, 40)] == [
+        0,
+        0,
+        5,
+        5,
+        7,
+        7,
+        7,
+    ]
+    assert [claim_floor_steps(cfg, round=r, inner_steps=8, **kw) for r in (0, 1, 2, 5, 100)] == [5, 5, 7, 7, 7]
+    assert [gain_floor_steps(cfg, batch_size=b, seq_len=L) for b in (4, 8, 16)] == [14, 7, 5]
+    plan = _planned({"a": 8, "b": 6, "c": 7, "d": 4, "e": 20})
+    assert screen_token_floor(plan, "sign") == {"a": 1792, "b": 1280, "c": 1792, "e": 1792}
+    assert screen_token_floor(_planned({"a": 8, "b": 6}, round=1), "sign") == {"a": 1280, "b": 1280}
+    assert screen_token_floor(_planned({"a": 16, "b": 13}, batch=4), "sign") == {"a": 1792, "b": 640}
+    # a peer planned 8 at batch 8 x 32 claiming 6 steps counts 0 tokens, 7 steps 1,792 (in the collective's spec)
+    a, b, d = FAST[0], FAST[1], FAST[2]
+    plan = _planned({a: 8, b: 6, d: 4})
+    owners = [PartOwner(p, f"127.0.0.1:{7000 + k}", k * 64, (k + 1) * 64) for k, p in enumerate((a, b, d))]
+    spec = CollectiveSpec(
+        "run", 9, {x.peer_id: x.token_budget for x in plan.assignments}, owners, 3 * 64, 10.0, 11.0,
+        mode="accountable", token_floor=screen_token_floor(plan, "sign"),
+    )  # fmt: skip
+    assert [spec.counted_tokens(a, 256 * k) for k in (5, 6, 7, 8)] == [0, 0, 1792, 2048]
+    assert [spec.counted_tokens(b, 256 * k) for k in (4, 5, 6)] == [0, 1280, 1536]  # planned 6: min_steps
+    assert [spec.counted_tokens(d, 256 * k) for k in (1, 4)] == [256, 1024]  # under min_steps: no floor
+
+
+def test_the_sampled_draws_take_only_what_counts_and_what_the_gain_test_decides():
+    """Session 46: a check or screen draws a claim from its floor on (``verify_task._eligible``), so none of the
+    claims that count 0 costs a check; a sampled screen (the gain test alone) draws only claims of 1,792 tokens or
+    more (``_sampled_pool``); a sampled full check may still draw a 5-6-step claim of a peer planned 5-6 (its sign
+    statistics decide it; its gain test does not)."""
+    cfg = VerifyConfig(sample_share=1.0)
+    plan = _planned({"a": 8, "b": 8, "c": 6, "d": 10, "e": 20})
+    claims = {"a": 6, "b": 7, "c": 6, "d": 5, "e": 20}  # a: under its floor of 7; c: planned 6, at min_steps' floor
+    packets = {p: {0: Committed(tokens=k * STEP_TOKENS, digest=b"x" * 16)} for p, k in claims.items()}
+    assert [(a.peer_id, k) for a, k, _ in _eligible(cfg, plan, packets)] == [("b", 7), ("c", 6), ("e", 20)]
+    assert _eligible(cfg, _planned({"a": 8}, round=1), {"a": packets["a"]})[0][1] == 6  # rounds 0-1: min_steps
+    assert [(a.peer_id, k) for a, k in _sampled_pool(cfg, plan, packets)] == [("b", 7), ("e", 20)]
+    # own compute 3 x 52 steps x 8 rows over 2 screeners x 2 x ((7 + 16) + (8 + 16)) x 8 rows: b and e alone
+    assert sample_probability(cfg, plan, packets) == pytest.approx(1248 / 1504)
+    everyone = VerifyConfig(sample_share=2.0)
+    assert sample_probability(everyone, plan, packets) == 1.0
+    assert sampled_candidates(everyone, plan, packets, b"s" * 32) == ["b", "e"]
+    # the claims that count 0 are not screened either: screen_candidates of a screened round (2) likewise
+    assert screen_candidates(cfg, _planned({"a": 8, "b": 8, "c": 6}, round=2), packets) == ["b", "c"]
+    # ... but a checker's own contribution under its floor is still its power reference (honest work, stopped early)
+    task = VerifyTask(9, "e", "b", (0,), ((0, 64),), 7, (), 16, 8, L, 1, 0, False, kind=SCREEN)
+    assert reference_task(cfg, task, plan=plan, packets=packets, checker="a").steps_done == 6
 
 
 def test_an_honest_screened_peer_trains_the_floors_steps_past_the_deadline_if_it_must():
@@ -164,7 +251,8 @@ def test_an_honest_screened_peer_trains_the_floors_steps_past_the_deadline_if_it
     screened, unscreened = _plan(2), _plan(5)
     assert floor_steps(drv(SLOW), screened, screened.assignment(SLOW)) == 7  # all its planned steps
     assert floor_steps(drv(FAST[0]), screened, screened.assignment(FAST[0])) == 7  # of its 10
-    assert floor_steps(drv(SLOW), unscreened, unscreened.assignment(SLOW)) == 5
+    assert floor_steps(drv(SLOW), unscreened, unscreened.assignment(SLOW)) == 5  # planned 5: min_steps
+    assert floor_steps(drv(FAST[0]), unscreened, unscreened.assignment(FAST[0])) == 7  # session 46: of its 10
     assert (
         floor_steps(
             SimpleNamespace(me=SLOW, cfg=SimpleNamespace(push_encoding="fp32")), screened, screened.assignment(SLOW)

@@ -11,7 +11,7 @@ from geomesh_p2p import exchange as collective
 from geomesh_p2p.config.method import MethodRule
 from geomesh_p2p.model.training import swarm_lr_at
 from geomesh_p2p.trust import probation as pb
-from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
+from geomesh_p2p.trust.verify_task import VerifyConfig, claim_floor_steps
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import RunConfig
@@ -75,47 +75,36 @@ def aggregate_scale_bound(plan, run_cfg: "RunConfig", theta_maxabs: Optional[flo
 
 
 def screen_token_floor(plan, push_encoding: str) -> dict[str, int]:
-    """PeerID -> fewest tokens its contribution must claim to count in the aggregate of ``plan``'s round: the tokens
-    of ``VerifyConfig.min_steps`` inner steps at the peer's planned batch (``min_steps x batch_size x seq_len``) for
-    every peer planned at least that many steps, in the modes where verified work checks contributions (relay and
-    accountable rounds of a sign-compressed method); empty otherwise.
+    """PeerID -> fewest tokens its contribution must claim to count in the aggregate of ``plan``'s round, for every
+    peer planned at least ``VerifyConfig.min_steps`` steps, in the modes where verified work checks contributions
+    (relay and accountable rounds of a sign-compressed method); empty otherwise. The tokens of
+    ``verify_task.claim_floor_steps`` steps at the peer's planned batch (``steps x batch_size x seq_len``): from
+    ``gain_first_round`` on, the loss-gain test's ``S = max(min_steps, ceil(gain_min_tokens / (batch x seq_len)))``
+    steps (1,792 tokens: 7 steps at 8 x 32) for a peer planned ``S`` or more; ``min_steps`` steps otherwise.
 
     Why (issue 28, the ``min_steps`` dodge): a check or screen is drawn only over contributions of at least
     ``min_steps`` steps (its thresholds are measured there, :func:`geomesh_p2p.trust.verify_task._eligible`), so a
     contributor planned 20 steps could claim 4 steps' tokens and never be checked, whatever it sent. A claim below
     the floor now counts 0 tokens (:meth:`~geomesh_p2p.exchange.partition.CollectiveSpec.counted_tokens`): what no
     check can screen has no weight. An honest peer reaches it unless the deadline stopped it within its first
-    ``min_steps`` steps; that round's work (fewer than ``min_steps`` steps) is then left out and counts as no
-    delivered work (:class:`~geomesh_p2p.round.rules.profiling.Reprofiler` evidence), as a straggler's would.
+    floor steps and the floor's grace (``round.steps.floor_steps``); that round's work is then left out and counts
+    as no delivered work (:class:`~geomesh_p2p.round.rules.profiling.Reprofiler` evidence), as a straggler's would.
 
-    A contributor its round screens (``verify_task.screened_in_round``: rounds 2-4, later those on probation) has
-    the loss-gain test's floor instead where the plan gives it that many steps: whole steps of at least
-    ``VerifyConfig.gain_min_tokens`` (``verify_task.screen_steps``; session 45: a screened claim the gain test cannot
-    decide has no weight). An AWB leader plans such a contributor at least those steps (``plan.views.min_steps_of``,
-    followers refuse fewer), so only a run whose ``max_inner_steps`` or uniform ``H`` holds fewer keeps ``min_steps``."""
+    The gain test's floor: session 45 gave it to the contributors a round screens (``verify_task.
+    screened_in_round``; an AWB leader plans them at least ``S`` steps, ``plan.views.min_steps_of``); session 46 to
+    every contributor planned ``S`` or more, because sampled screens and sampled full checks draw established
+    contributors too and their gain test cannot decide a claim under 1,792 tokens: an established peer planned 7
+    steps could claim 5-6 and count, undecidable. The sampled draws use the same floor (``_eligible``)."""
     if push_encoding != "sign" or plan.mode not in ("relay", "accountable"):
         return {}
-    steps = VerifyConfig.min_steps
-    L = int(plan.seq_len)
-    return {
-        a.peer_id: max(steps, _screen_steps(plan, a)) * int(a.batch_size) * L
-        for a in plan.assignments
-        if int(a.inner_steps) >= steps
-    }
-
-
-def _screen_steps(plan, a) -> int:
-    """The steps of assignment ``a`` its round's screen needs to decide (``verify_task.screen_steps``), where the
-    plan gives it that many (0 where it screens none of ``a`` or plans fewer: a run whose ``max_inner_steps`` or
-    uniform ``H`` holds fewer, the same for every peer, keeps the ``min_steps`` floor)."""
-    k = screen_steps(
-        VerifyConfig(),
-        round=int(plan.round),
-        probation=bool(getattr(a, "probation", False)),
-        batch_size=int(a.batch_size),
-        seq_len=int(plan.seq_len),
-    )
-    return k if int(a.inner_steps) >= k else 0
+    cfg, L, r = VerifyConfig(), int(plan.seq_len), int(plan.round)
+    out = {}
+    for a in plan.assignments:
+        b = int(a.batch_size)
+        k = claim_floor_steps(cfg, round=r, inner_steps=int(a.inner_steps), batch_size=b, seq_len=L)
+        if k > 0:
+            out[a.peer_id] = k * b * L
+    return out
 
 
 def screen_token_cap(plan, push_encoding: str) -> dict[str, int]:
