@@ -14,7 +14,9 @@ float sum, then a normal run and one with a token floor: no hang, the ranks stay
 ``rank0error``: rank 0's second step raises a RuntimeError (not a non-finite loss); the next run must work;
 ``long``: a run longer than the collective timeout (both ranks slow), keep-alive on: no failure;
 ``eager``: a run with a StepTarget (eager updates) runs in lockstep, then a run once a round;
-``rank0dies``: rank 0 exits (``os._exit(9)``) at its second step of a 12-step run (the follower's 0.5 s each).
+``rank0dies``: rank 0 exits (``os._exit(9)``) at its second step of a 12-step run (the follower's 0.5 s each);
+``floor``: a run whose train deadline is already past, with a token floor of 2 steps and its grace (round/steps.py):
+every rank trains the floor's steps, as a one-device peer does.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ def rank0(ch: RankChannel, scenario: str, out: str) -> int:
         runs = [dict(inner_steps=LONG_STEPS, batch_size=BATCH)]
     elif scenario == "eager":  # a run with a StepTarget (eager updates): lockstep, then a run once a round
         runs = [dict(inner_steps=STEPS, batch_size=BATCH, target=StepTarget(STEPS, None))] + runs
+    elif scenario == "floor":  # the deadline spent, the floor's grace not: 2 steps of 3 on every rank
+        runs = [
+            dict(inner_steps=STEPS, batch_size=BATCH, deadline=swarm_time() - 1.0, floor_steps=2, floor_grace_s=60.0)
+        ]
     elif scenario == "rank0dies":
         real, n = t.accumulate_grad, {"steps": 0}
 

@@ -103,6 +103,23 @@ def test_degenerate_runs_neither_hang_nor_desync_the_ranks(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(4 * WAIT_S)
+def test_independent_ranks_train_the_token_floors_steps_within_its_grace(tmp_path: Path) -> None:
+    """A relay round's token floor (session 46: the gain test's S steps for every peer planned S or more) counts a
+    claim under it 0 tokens; a one-device peer the deadline stops within the floor's steps trains on to them within
+    the floor's grace (``InnerTrainer.run(floor_steps=, floor_grace_s=)``). A ``--rank-sync round`` peer's ranks must
+    too: before, they stopped at the deadline (the grace was dropped for them), so an honest multi-rank peer planned
+    exactly S that the deadline stopped at S - 1 lost its round. Here the deadline is spent: 2 floor steps of 3, on
+    both ranks."""
+    r0, codes, logs = _run(tmp_path, "floor", 30)
+    assert codes[1] == 0 and r0["failures"] == [], logs[-3000:]
+    res = r0["runs"][0]
+    assert "error" not in res, res
+    assert (res["steps"], res["tokens"]) == (2, 2 * rank_worker.BATCH * rank_worker.SEQ), res
+    r1 = torch.load(tmp_path / "out.rank1.pt")
+    assert torch.equal(r1["flat"], r0["flat"][0])
+
+
+@pytest.mark.timeout(4 * WAIT_S)
 def test_a_stopped_follower_ends_rank_0s_run_after_the_collective_timeout(tmp_path: Path) -> None:
     r0, _, logs = _run(tmp_path, "stop", 4, follower_exits=False)
     res = r0["runs"][0]
