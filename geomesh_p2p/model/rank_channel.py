@@ -191,8 +191,9 @@ class RankChannel:
         busy: bool = False,
     ) -> None:
         """Rank 0: broadcast ``command`` (and ``batch``, int64 ``[B, seq_len]``, for a STEP; int64 ``[H, B,
-        seq_len]`` for a RUN, then ``more``: a RUN's int64 ``[K]`` rows per rank) on the command channel. The
-        command sent before, when it was not waited for, completes first (:meth:`_settle`).
+        seq_len]`` for a RUN, then ``more``: a RUN's int64 ``[K + 2]``, the rows per rank then the token floor's
+        steps and its grace in microseconds) on the command channel. The command sent before, when it was not waited
+        for, completes first (:meth:`_settle`).
 
         ``wait`` False (a STEP): the broadcasts are started (``async_op``) and this returns at once, so rank 0
         does not wait for the followers to be ready to receive (they are finishing the step before, or reading

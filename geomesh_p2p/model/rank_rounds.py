@@ -140,8 +140,12 @@ def run_independent(
     deadline: Optional[float] = None,
     progress: Optional[Callable[[int, float, float], None]] = None,
     should_stop: Optional[Callable[[], bool]] = None,
+    floor_steps: int = 0,
+    floor_grace_s: float = 0.0,
 ) -> InnerResult:
-    """Rank 0: one run of inner steps with the ranks stepping on their own (module docstring). Returns the
+    """Rank 0: one run of inner steps with the ranks stepping on their own (module docstring); every rank's first
+    ``floor_steps`` steps may run ``floor_grace_s`` past ``deadline`` (the token floor, :meth:`InnerTrainer.run`:
+    the peer's tokens reach the floor only when every rank trained its steps). Returns the
     peer's :class:`InnerResult`: the ranks' tokens summed (``steps_done``: their steps' worth, rounded up), the
     loss the mean over every rank's steps, ``compute_s`` rank
     0's from its first step to the end of the meeting. ``progress(k, loss, tokens/s)`` reports rank 0's steps at
@@ -169,14 +173,18 @@ def run_independent(
     )
     # the followers start as soon as they take it; rank 0 trains meanwhile
     # busy: no keep-alive until the meeting (the followers take no command meanwhile: RankChannel.send)
-    ch.send(cmd, rows, wait=False, more=(torch.tensor(split, dtype=torch.int64),), busy=True)
+    # the rows per rank, then the token floor's steps and its grace in microseconds (follow_run reads them)
+    grace = float(floor_grace_s)
+    extra = [max(0, int(floor_steps)), int(min(grace, 1e6) * 1e6) if grace > 0 else 0]  # (NaN: none)
+    ch.send(cmd, rows, wait=False, more=(torch.tensor(split + extra, dtype=torch.int64),), busy=True)
     world = ch.world
 
     def peer_rate(k: int, loss: float, tps: float) -> None:
         if progress is not None:
             progress(k, loss, tps * world)
 
-    own, error = _train_share(t, rows, split, round, H, micro_batch, deadline, peer_rate, should_stop)
+    floor = (int(floor_steps), float(floor_grace_s))
+    own, error = _train_share(t, rows, split, round, H, micro_batch, deadline, peer_rate, should_stop, floor)
     del rows
     try:
         steps, tokens, loss_sum, per_rank, own_finite = _meet(t, own)
@@ -212,18 +220,19 @@ def follow_run(t: "RankedTrainer", cmd: Command) -> None:
     ch = t.channel
     H, B = cmd.step, cmd.batch_size  # a RUN has H >= 1 (run_independent sends none for 0 steps)
     rows = torch.empty(H, B, cmd.seq_len, dtype=torch.int64)
-    split_t = torch.zeros(ch.world, dtype=torch.int64)
+    split_t = torch.zeros(ch.world + 2, dtype=torch.int64)  # the rows per rank, the floor's steps and grace (µs)
     try:
         dist.broadcast(rows, src=0, group=ch.cmd)
         dist.broadcast(split_t, src=0, group=ch.cmd)
     except RuntimeError as e:
         raise RankFailure(f"rank {ch.rank}: rank 0 is gone ({one_line(e)})") from None
-    split = [int(v) for v in split_t.tolist()]
+    split = [int(v) for v in split_t[: ch.world].tolist()]
+    floor = (max(0, int(split_t[ch.world])), max(0, int(split_t[ch.world + 1])) / 1e6)
     if sum(split) != B or min(split) < 0:
         raise RankFailure(f"rank {ch.rank}: rank 0 split {B} rows as {split}")
     t.global_step = cmd.arg  # the lr schedule of the peer's steps (lr_for), as rank 0's
     deadline = None if cmd.lr < 0 else swarm_time() + cmd.lr
-    own, error = _train_share(t, rows, split, cmd.round, H, cmd.micro_batch or None, deadline, None, None)
+    own, error = _train_share(t, rows, split, cmd.round, H, cmd.micro_batch or None, deadline, None, None, floor)
     _meet(t, own)
     t.optimizer.zero_grad(set_to_none=True)
     if error is not None and not isinstance(error, FloatingPointError):
@@ -240,9 +249,11 @@ def _train_share(
     deadline: Optional[float],
     progress: Optional[Callable[[int, float, float], None]],
     should_stop: Optional[Callable[[], bool]],
+    floor: tuple[int, float] = (0, 0.0),
 ) -> tuple[InnerResult, Optional[BaseException]]:
     """This rank's inner steps on its rows of ``rows`` (int64 ``[H, B, seq_len]``; ``split[r]`` rows for rank ``r``,
-    in rank order): :meth:`InnerTrainer.run` with the step's batch read from ``rows``. Returns its result (0 steps
+    in rank order): :meth:`InnerTrainer.run` with the step's batch read from ``rows``, ``floor`` its ``(floor_steps,
+    floor_grace_s)`` (seconds). Returns its result (0 steps
     when it raised) and the error to raise after the meeting: a non-finite loss, or any other error of the steps
     (a rank that skipped the meeting would leave the others waiting in it, then every later command of rank 0
     out of step with them, until the collective timeout failed the peer)."""
@@ -262,6 +273,8 @@ def _train_share(
             deadline=deadline,
             progress=progress,
             should_stop=should_stop,
+            floor_steps=floor[0],
+            floor_grace_s=floor[1],
         )
         return result, None
     except Exception as e:  # noqa: BLE001 - raised again after the meeting

@@ -201,10 +201,9 @@ class RankedTrainer(InnerTrainer):
             self._send_weights()
             if self.independent and self.sharded is None and kwargs.get("target") is None:
                 # (a run with a StepTarget, eager updates, may change its steps while it runs: lockstep then). The
-                # token floor's grace past the deadline (floor_steps, floor_grace_s) is not carried to the ranks'
-                # own runs: they stop at the deadline, as before session 34 (it raised a TypeError here, session 35)
-                skip = ("target", "floor_steps", "floor_grace_s")
-                return run_independent(self, **{k: v for k, v in kwargs.items() if k not in skip})
+                # token floor's steps and grace go to every rank (session 46: the floor is S for every peer planned
+                # S; without the grace the ranks stopped at the deadline and an honest peer at S - 1 lost its round)
+                return run_independent(self, **{k: v for k, v in kwargs.items() if k != "target"})
             result = super().run(**kwargs)
             if self.sharded is not None:
                 self._gather_weights()
