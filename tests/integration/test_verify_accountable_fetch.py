@@ -114,10 +114,11 @@ async def test_pull_inputs_count_serves_at_most_that_many_inputs(swarms):
         assert resp.total == 4 and len(resp.contributions) == want
 
 
-async def _kept_round(swarms, r: int, cfg):
+async def _kept_round(swarms, r: int, cfg, *, B: int = 1, H: int = 6, claim: int = 100):
     """A real accountable round ``r`` of 4 in-process peers kept by peer 0's verified work (rules/verified_accountable.py)
     under ``cfg``, its ``queue_screens`` recorded (no model runs): (sw, plan, res, wv, vw, calls); ``calls["screens"]``
-    maps (accused, part) -> the signed bytes each queued screen got. The caller closes ``wv``."""
+    maps (accused, part) -> the signed bytes each queued screen got. Every peer is planned ``H`` steps of ``B`` x 16
+    tokens and claims ``claim`` tokens. The caller closes ``wv``."""
     import torch
 
     from geomesh_p2p.plan.schema import PeerAssignment, RoundPlan
@@ -127,12 +128,12 @@ async def _kept_round(swarms, r: int, cfg):
     from geomesh_p2p.trust.verify import WorkVerifier
     from tests.collective_util import RUN
 
-    n, L, B, H = 4, 16, 1, 6
+    n, L = 4, 16
     sw = await swarms(n, service_cls=[CollectiveService] * n)
     budget = B * L * H
     deltas = _honest_deltas(sw.pids, NUMEL, seed=11)
     spec = sw.spec(NUMEL, mode="accountable", round=r, deadline_s=3.0, caps={p: budget for p in sw.pids}, **ROBUST)
-    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], 100) for s, p in zip(sw.services, sw.pids)])
+    res = await asyncio.gather(*[s.all_reduce(spec, deltas[p], claim) for s, p in zip(sw.services, sw.pids)])
     owned = {o.peer_id: (o.start, o.end) for o in spec.owners}
     plan = RoundPlan(
         run_id=RUN, round=r, leader=min(sw.pids), method="geomesh", mode="accountable", numel=NUMEL, seq_len=L,
@@ -198,12 +199,13 @@ async def test_an_established_contributors_sampled_screen_gets_its_contribution_
     here" for every sampled screen): accountable mode fetched what its screens need before it queued them, and drew
     the sampled screens of established contributors (the patient poisoner's defence) only when queueing, so none of
     them ever had its contribution. Round 7 has no newcomer; every established contributor is drawn here (a sampled
-    share that makes the probability 1, 3 screeners each): all three are fetched (before: nothing) and screened."""
+    share that makes the probability 1, 3 screeners each): all three are fetched (before: nothing) and screened. Each
+    claims 1,792 tokens (7 steps of 16 x 16): a sampled screen draws only claims its gain test decides (session 46)."""
     from geomesh_p2p.round.rules import verified_accountable
     from geomesh_p2p.trust.verify_task import VerifyConfig
 
     cfg = VerifyConfig(share=0.0, sample_share=100.0, sample_screeners=3)
-    sw, plan, res, wv, vw, calls = await _kept_round(swarms, 7, cfg)
+    sw, plan, res, wv, vw, calls = await _kept_round(swarms, 7, cfg, B=16, H=7, claim=7 * 16 * 16)
     me = sw.pids[0]
     try:
         kept = wv._kept[7]
