@@ -523,36 +523,46 @@ def warn_if_other_identity(node: PeerNode, rnd: int, meta: dict) -> Optional[str
 
 async def warn_if_resumed_behind(node: PeerNode) -> None:
     """After ``--resume``: when no other peer of the run is live but a bootstrap saw the run at a later
-    round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): unless a peer of the
+    round than the checkpoint's, or the records of its peers that left back one, say so (the newest of the two) in one WARNING (event ``resumed_behind_swarm``): unless a peer of the
     run joins and hands it the later state (peers restarted together, whose records are not in yet: session 36's
     fresh user read the earlier wording, "trains alone ... a fork", as a failure while it adopted round 16 in the
     same second), this peer trains alone from an older state, a fork of the run (a fresh-user trial resumed
     round 6 of a run that had reached round 12, untold). Live peers at a later round need no line: the
     first round's behind-check catches up to them."""
-    if [r for r in await node.peers() if r.peer_id != node.me]:
+    everyone = [r for r in await node.peers(include_leaving=True) if r.peer_id != node.me]
+    if [r for r in everyone if not r.leaving]:
         return
     prog = await swarm_progress(started(node.dht), node.run_cfg.run_id)
-    if prog is None or prog.round <= node.round:
+    # and the round the records of the peers that left back (the state vote, as the catch-up reads it): the
+    # bootstrap's figure may be older (fresh user 46: "resume from a checkpoint of round 11" while the peers that
+    # finished had announced round 15, which this peer read a second later as "the swarm was last seen at round 15")
+    left = node.resync.swarm_round(everyone) if everyone else None
+    newest = max(prog.round if prog is not None else -1, left if left is not None else -1)
+    if newest <= node.round:
         return
+    seen = f"bootstrap {prog.by[:8] or '?'} saw run {node.run_cfg.run_id!r} at round {prog.round}" if prog else ""
+    if left is not None and (prog is None or left > prog.round):
+        seen = f"the records of its peers that left say run {node.run_cfg.run_id!r} reached round {left}" + (
+            f" ({seen})" if seen else ""
+        )
     events.emit(
         log,
         logging.WARNING,
         "resumed_behind_swarm",
-        "resumed at round %d, but bootstrap %s saw run %r at round %d and no other peer of it is live yet: "
+        "resumed at round %d, but %s and no other peer of it is live yet: "
         "if one joins (peers restarted together), this peer adopts the swarm's state of round %d from it; if none "
         "does, this peer trains alone from round %d, a fork of the run (to avoid that, resume from a checkpoint "
         "of round %d)",
         node.round,
-        prog.by[:8] or "?",
-        node.run_cfg.run_id,
-        prog.round,
-        prog.round,
+        seen,
+        newest,
         node.round,
-        prog.round,
+        newest,
         peer=node.me,
         round=node.round,
-        swarm_round=prog.round,
-        bootstrap=prog.by,
+        swarm_round=newest,
+        bootstrap=prog.by if prog is not None else "",
+        bootstrap_round=prog.round if prog is not None else None,
     )
 
 

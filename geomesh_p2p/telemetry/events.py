@@ -109,7 +109,8 @@ kind                         where                            fields
                              gather; once per state)          to), held_round, held_digest
 ``residual_zeroed``          round.exchange.drop_feedback     peer, round
 ``resumed_behind_swarm``     node._warn_if_resumed_behind     peer, round (resumed at), swarm_round (the
-                                                              bootstrap's), bootstrap
+                                                              newest known: the bootstrap's or the leaving
+                                                              peers' records'), bootstrap, bootstrap_round
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
 ``round_alone_skipped``      round.planning.agree (a plan of  peer, round, leader, left (the PeerIDs
                              this peer alone, the others      gathered that announced leaving)
