@@ -61,6 +61,8 @@ kind                         where                            fields
                              shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.links (planned              upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
+``no_live_donor``            round.rules.state_sync (WARNING:  peer, round (the swarm's state asked),
+                             every donor left and refused)    donors (PeerIDs that left and refused)
 ``older_state_adopted``      round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states; WARNING)     held_round, held_digest (the state it
                                                               leaves), live (PeerIDs live at the time),
