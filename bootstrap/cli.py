@@ -181,8 +181,9 @@ def _check(ns: argparse.Namespace) -> Optional[str]:
         return f"--http-poll {ns.http_poll}: must be > 0"
     if ns.status_interval <= 0:
         return f"--status-interval {ns.status_interval}: must be > 0"
-    if ns.k < 1 or ns.alpha < 1:
-        return f"--k {ns.k} / --alpha {ns.alpha}: must be >= 1"
+    for flag, v in (("--k", ns.k), ("--alpha", ns.alpha)):  # the one at fault, not both (fresh user 46's kind)
+        if v < 1:
+            return f"{flag} {v}: must be >= 1"
     if ns.rpc_timeout <= 0:
         return f"--rpc-timeout {ns.rpc_timeout}: must be > 0"
     if not ns.run_id:

@@ -121,7 +121,10 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     run's own config would then fail at once in ``PeerNode._on_empty_swarm`` -- nor its round. The round is
     the one a strict majority of that config's live records has reached (its leaving records when none is
     live), not the newest one announced: one identity copying the run's config hash at round 10^9 told
-    newcomers that round (red team, session 13)."""
+    newcomers that round (red team, session 13) -- or, when later, the one a strict majority of all its records
+    (live and leaving) reached: the live records alone went back to a peer behind, e.g. a killed peer's record
+    at round 11 outliving it while the two others finished round 15 and left (fresh user 46: the bootstrap then
+    said the run was at round 11)."""
     recs = list(records)
     if not recs:
         return None
@@ -129,9 +132,12 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     for r in recs:
         groups.setdefault(r.run_config_hash or "", []).append(r)
     config_hash, mine = max(groups.items(), key=lambda kv: (len(kv[1]), max(r.round for r in kv[1]), kv[0]))
-    pool = [r for r in mine if not getattr(r, "leaving", False)] or mine
-    rounds = sorted((r.round for r in pool), reverse=True)
-    newest = rounds[len(rounds) // 2]  # more than half of the pool is at this round or later
+
+    def reached(pool: list) -> int:
+        rounds = sorted((r.round for r in pool), reverse=True)
+        return rounds[len(rounds) // 2]  # more than half of the pool is at this round or later
+
+    newest = max(reached([r for r in mine if not getattr(r, "leaving", False)] or mine), reached(mine))
     return SwarmProgress(newest, seen_at, len(mine), by, config_hash, _config_of(mine))
 
 

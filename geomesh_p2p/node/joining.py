@@ -60,6 +60,7 @@ __all__ = [
     "resume_from",
     "warn_if_other_identity",
     "warn_if_resumed_behind",
+    "refuse_remembered_config",
     "on_empty_swarm",
 ]
 
@@ -302,8 +303,12 @@ def announced_config_differences(node: PeerNode, config: Optional[dict], config_
     return config_differences(node.run_cfg.model_dump(), theirs.model_dump())
 
 
-async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None:
-    """Refuse to start when the swarm's live peers all run another config or version.
+async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None, remembered: bool = False) -> None:
+    """Refuse to start when the swarm's live peers all run another config or version; with ``remembered`` (at start,
+    before the data, the model and the profile: 33 s for gpt2-124m on a CPU), also when none is live and a
+    bootstrap remembers the run past round 0 with another run config (:func:`refuse_remembered_config`, for a fresh
+    peer: no ``--resume``, ``--on-empty-swarm`` not ``seed``), which :func:`on_empty_swarm` said only after the
+    profile (fresh user 46).
 
     Raises IncompatibleSwarmError naming the differing fields (e.g. "inner_lr: 0.001 here vs
     0.0003 in the swarm").
@@ -312,6 +317,10 @@ async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None) -> None
     mine = mine or node.my_record()
     found = await live_peers(started(node.dht), node.run_cfg.run_id, shards=node.run_cfg.record_shards)
     others = [r for r in found if r.peer_id != node.me]
+    if not others and remembered and not node.cfg.resume and node.cfg.on_empty_swarm != "seed":
+        prog = await swarm_progress(started(node.dht), node.run_cfg.run_id)
+        if prog is not None:
+            refuse_remembered_config(node, prog)
     if not others or any(check_compatible(mine, r) is None for r in others):
         return
     other = others[0]
@@ -523,36 +532,46 @@ def warn_if_other_identity(node: PeerNode, rnd: int, meta: dict) -> Optional[str
 
 async def warn_if_resumed_behind(node: PeerNode) -> None:
     """After ``--resume``: when no other peer of the run is live but a bootstrap saw the run at a later
-    round than the checkpoint's, say so in one WARNING (event ``resumed_behind_swarm``): unless a peer of the
+    round than the checkpoint's, or the records of its peers that left back one, say so (the newest of the two) in one WARNING (event ``resumed_behind_swarm``): unless a peer of the
     run joins and hands it the later state (peers restarted together, whose records are not in yet: session 36's
     fresh user read the earlier wording, "trains alone ... a fork", as a failure while it adopted round 16 in the
     same second), this peer trains alone from an older state, a fork of the run (a fresh-user trial resumed
     round 6 of a run that had reached round 12, untold). Live peers at a later round need no line: the
     first round's behind-check catches up to them."""
-    if [r for r in await node.peers() if r.peer_id != node.me]:
+    everyone = [r for r in await node.peers(include_leaving=True) if r.peer_id != node.me]
+    if [r for r in everyone if not r.leaving]:
         return
     prog = await swarm_progress(started(node.dht), node.run_cfg.run_id)
-    if prog is None or prog.round <= node.round:
+    # and the round the records of the peers that left back (the state vote, as the catch-up reads it): the
+    # bootstrap's figure may be older (fresh user 46: "resume from a checkpoint of round 11" while the peers that
+    # finished had announced round 15, which this peer read a second later as "the swarm was last seen at round 15")
+    left = node.resync.swarm_round(everyone) if everyone else None
+    newest = max(prog.round if prog is not None else -1, left if left is not None else -1)
+    if newest <= node.round:
         return
+    seen = f"bootstrap {prog.by[:8] or '?'} saw run {node.run_cfg.run_id!r} at round {prog.round}" if prog else ""
+    if left is not None and (prog is None or left > prog.round):
+        seen = f"the records of its peers that left say run {node.run_cfg.run_id!r} reached round {left}" + (
+            f" ({seen})" if seen else ""
+        )
     events.emit(
         log,
         logging.WARNING,
         "resumed_behind_swarm",
-        "resumed at round %d, but bootstrap %s saw run %r at round %d and no other peer of it is live yet: "
+        "resumed at round %d, but %s and no other peer of it is live yet: "
         "if one joins (peers restarted together), this peer adopts the swarm's state of round %d from it; if none "
         "does, this peer trains alone from round %d, a fork of the run (to avoid that, resume from a checkpoint "
         "of round %d)",
         node.round,
-        prog.by[:8] or "?",
-        node.run_cfg.run_id,
-        prog.round,
-        prog.round,
+        seen,
+        newest,
         node.round,
-        prog.round,
+        newest,
         peer=node.me,
         round=node.round,
-        swarm_round=prog.round,
-        bootstrap=prog.by,
+        swarm_round=newest,
+        bootstrap=prog.by if prog is not None else "",
+        bootstrap_round=prog.round if prog is not None else None,
     )
 
 
@@ -567,6 +586,23 @@ async def _own_checkpoint(node: PeerNode):
     except Exception as e:  # noqa: BLE001  a damaged checkpoint: no shortcut, the wait says nothing of it
         log.debug("checkpoint in %s not usable while the swarm is empty: %s", d, e)
         return None
+
+
+def refuse_remembered_config(node: PeerNode, prog) -> None:
+    """Raise IncompatibleSwarmError when ``prog`` (a bootstrap's :class:`~geomesh_p2p.dht.progress.SwarmProgress`
+    of a run past round 0) names another run config than this peer's: the remembered swarm's peers would refuse
+    this one when they come back (and it them); said now rather than after waiting for them (a fresh-user trial
+    waited, untold)."""
+    if prog.round <= 0 or not prog.config_hash or prog.config_hash == node.config_hash:
+        return
+    diff = announced_config_differences(node, prog.config, prog.config_hash)
+    raise IncompatibleSwarmError(
+        f"run {node.run_cfg.run_id!r} was at round {prog.round} with another run config (hash "
+        f"{prog.config_hash[:12]} there, {node.config_hash[:12]} here"
+        + (f"; {'; '.join(diff)}" if diff else "")
+        + "): its peers could not take this one back; use the run's flags, another --run-id, or "
+        "--on-empty-swarm seed to start this run id anew"
+    )
 
 
 async def on_empty_swarm(node: PeerNode) -> None:
@@ -609,17 +645,7 @@ async def on_empty_swarm(node: PeerNode) -> None:
     if how == "seed":
         log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
         return
-    if prog.config_hash and prog.config_hash != node.config_hash:
-        # The remembered swarm's peers would refuse this one when they come back (and it them): say so
-        # now rather than wait for them (a fresh-user trial waited, untold).
-        diff = announced_config_differences(node, prog.config, prog.config_hash)
-        raise IncompatibleSwarmError(
-            f"run {node.run_cfg.run_id!r} was at round {prog.round} with another run config (hash "
-            f"{prog.config_hash[:12]} there, {node.config_hash[:12]} here"
-            + (f"; {'; '.join(diff)}" if diff else "")
-            + "): its peers could not take this one back; use the run's flags, another --run-id, or "
-            "--on-empty-swarm seed to start this run id anew"
-        )
+    refuse_remembered_config(node, prog)
     if how == "resume":
         d = node.cfg.checkpoint_dir
         ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None

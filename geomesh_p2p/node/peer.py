@@ -415,7 +415,7 @@ class PeerNode:
         clock.set_offset(self.dht.clock_offset_s)
         clock.follow(lambda: started(self.dht).clock_offset_s)
         # Refuse an incompatible run config now, before spending half a minute on data and profiling.
-        await joining.check_swarm(self, self._placeholder_record())
+        await joining.check_swarm(self, self._placeholder_record(), remembered=True)
         await joining.check_identity_unique(self)
         probed = await self.links.probe()
 

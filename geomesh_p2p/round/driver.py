@@ -187,6 +187,10 @@ class RoundDriver:
         self._confirmed_round: int = 0
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
+        #: this session started from the seed (round 0) and no read has shown another peer's record yet: this
+        #: peer is the whole swarm, its state the run's (:func:`~geomesh_p2p.round.resync.left_alone`); set in
+        #: :meth:`run`, cleared by the first other record :meth:`remember` or ``behind`` reads
+        self._whole_swarm = False
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()
@@ -248,9 +252,15 @@ class RoundDriver:
     def remember(self, records: Sequence[PeerRecord]) -> None:
         """Keep ``records`` (a gather's read) for :meth:`recent`; forget those older than ``RECENT_RECORD_S``."""
         now = self.clock.monotonic()
+        self.saw_others(records)
         self._recent.update({r.peer_id: (r, now) for r in records})
         for pid in [p for p, (_, t) in self._recent.items() if now - t > RECENT_RECORD_S]:
             del self._recent[pid]
+
+    def saw_others(self, records: Sequence[PeerRecord]) -> None:
+        """Note a read of the run's records: one of another peer (leaving or not) ends :attr:`_whole_swarm`."""
+        if self._whole_swarm and any(r.peer_id != self.me for r in records):
+            self._whole_swarm = False
 
     def recent(self) -> dict[str, PeerRecord]:
         """Records read by gathers within the last ``RECENT_RECORD_S`` seconds (the newest of each peer)."""
@@ -297,6 +307,7 @@ class RoundDriver:
         # unconfirmed lineage's by a re-sync (a fresh-user trial, session 31: a peer resumed at round 24 behind the
         # swarm caught up to round 30 and dropped its standing of rounds 0-23, all of them digest-checked)
         self._confirmed_round = max(self._confirmed_round, int(self.state.round))
+        self._whole_swarm = int(self.state.round) == 0 and not any(p != self.me for p in self._recent)
         watcher = asyncio.ensure_future(self._say_leaving_on_stop())
         try:
             await self._rounds()

@@ -39,7 +39,9 @@ async def behind(drv: RoundDriver) -> bool:
     """True when the swarm's vote backs a later round than this peer's. Peers that announced leaving
     count: their last record says which round and state the swarm reached (a swarm whose peers all
     finished their last round is ahead of a peer that was stalled, not gone)."""
-    sr = drv.policy.swarm_round(await drv.membership.peers(include_leaving=True))
+    everyone = await drv.membership.peers(include_leaving=True)
+    drv.saw_others(everyone)
+    sr = drv.policy.swarm_round(everyone)
     drv._swarm_seen = max(drv._swarm_seen, sr or 0)
     return sr is not None and sr > drv.state.round
 
@@ -130,12 +132,24 @@ def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[Sw
 
 def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
     """The :class:`SwarmEnded` of a peer that, after its first round, found no other live peer for a
-    whole ``wait_peers_s`` short of ``min_peers``. Never ``synced``: with the others' records gone nothing
+    whole ``wait_peers_s`` short of ``min_peers``. ``synced`` only when no other peer's record was ever read since
+    it started from the seed (``_whole_swarm``: it was the whole swarm). Else never: with the others' records gone nothing
     shows where the swarm ended (it may have gone on after the last state it confirmed to this peer), so
     the run is not claimed healthy; the line says whether the swarm confirmed this peer's state (a digest
     check that agreed, or a catch-up adopted it)."""
     r = drv.state.round
     others = [x for x in everyone if x.peer_id != drv.me]
+    if drv._whole_swarm and not others:
+        # No other peer ever: nobody else's digest can confirm the state, yet this peer's own rounds made the run's
+        # only lineage, so "NOT the swarm's" (exit 3) was wrong (fresh user 46: a sole first peer with --min-peers
+        # 3 trained round 0 after the wait, then ended so at round 1). It stops as the swarm it was, synced.
+        why = (
+            f"no other peer of the run ever appeared (waited {waited_s:.0f} s at round {r}); this peer was the whole "
+            f"swarm, so its state (round {r}, digest {(drv.state.digest or '')[:8]}) is the run's; after its first "
+            f"round a peer does not train on alone unless --min-peers is 1 (it is {drv.cfg.min_peers}): start it "
+            "again with --resume once other peers join"
+        )
+        return SwarmEnded(round=r, swarm_round=r, synced=True, why=why, cause="alone")
     seen = max([drv._swarm_seen] + [x.round for x in others])
     state = (
         f"NOT the swarm's: the swarm was last seen at round {seen}"

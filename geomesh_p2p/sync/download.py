@@ -335,6 +335,7 @@ async def download_state(
                 elif isinstance(e, TimeoutError) and not second and stall_limit(piece) < stall_timeout_s:
                     stalled_early.add(donor)
                 unhealthy.add(donor)
+                said = donor in unreachable  # a gone donor is said once per download, not once per piece
                 if isinstance(e, RpcError) and e.unreachable:
                     # no connection (a gone donor); a donor answering UNAVAILABLE itself ("no state yet") is there
                     unreachable.add(donor)
@@ -348,7 +349,9 @@ async def download_state(
                     # for the round it moved to (INFO); a donor that cannot be reached is gone (its record outlives
                     # it), and the download's own line says so once (fresh user 43: 23 WARNING lines in 15 s for two
                     # gone donors); WARNING on the caller's last attempt, or any other failure
-                    logging.INFO
+                    logging.DEBUG
+                    if said and isinstance(e, RpcError) and e.unreachable
+                    else logging.INFO
                     if (moved_on is not None or (isinstance(e, RpcError) and e.unreachable)) and not last_attempt
                     else logging.WARNING,
                     "state_piece_failed",

@@ -61,6 +61,8 @@ kind                         where                            fields
                              shutdown, round.driver (stop)    | ``target_ppl`` | ``shutdown``)
 ``link_reprobed``            node.links (planned              upload_bps, download_bps, was_upload_bps,
                              out)                             was_download_bps (bytes/s)
+``no_live_donor``            round.rules.state_sync (WARNING:  peer, round (the swarm's state asked),
+                             every donor left and refused)    donors (PeerIDs that left and refused)
 ``older_state_adopted``      round.rules.state_sync (once         peer, round (the older state's), digest,
                              per pair of states; WARNING)     held_round, held_digest (the state it
                                                               leaves), live (PeerIDs live at the time),
@@ -109,7 +111,8 @@ kind                         where                            fields
                              gather; once per state)          to), held_round, held_digest
 ``residual_zeroed``          round.exchange.drop_feedback     peer, round
 ``resumed_behind_swarm``     node._warn_if_resumed_behind     peer, round (resumed at), swarm_round (the
-                                                              bootstrap's), bootstrap
+                                                              newest known: the bootstrap's or the leaving
+                                                              peers' records'), bootstrap, bootstrap_round
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
 ``round_alone_skipped``      round.planning.agree (a plan of  peer, round, leader, left (the PeerIDs
                              this peer alone, the others      gathered that announced leaving)

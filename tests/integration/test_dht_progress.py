@@ -152,3 +152,33 @@ async def test_records_below_the_bootstraps_pow_floor_are_not_counted_and_it_say
     # counts), and says so once per storer
     refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused record from")]
     assert refused and all("no valid proof of work (this node asks 8 bits for a peer record" in x for x in refused)
+
+
+async def test_a_fresh_peer_of_another_config_than_the_remembered_run_is_refused_before_its_profile(tmp_path):
+    """Fresh user 46: a peer of another --model than the run its bootstrap remembers (no peer of it live) was refused
+    by PeerNode._on_empty_swarm only after the data, the model and the profile (33 s for gpt2-124m on a CPU). It is
+    now refused right after the DHT join, with the live peers' check, before any of them."""
+    from geomesh_p2p.config.models import NodeConfig, RunConfig
+    from geomesh_p2p.dht import IncompatibleSwarmError
+    from geomesh_p2p.node.peer import PeerNode
+
+    boot = await start_node()
+    node = None
+    try:
+        theirs = RunConfig(run_id=RUN, model="tiny", pow_bits=0)
+        mine = RunConfig(run_id=RUN, model="gpt2-124m", pow_bits=0)
+        entry = SwarmProgress(7, time.time(), 2, config_hash=theirs.config_hash(), config=theirs.model_dump())
+        assert await publish_progress(boot, entry)
+        cfg = NodeConfig(bootstrap=[boot.address], identity=str(tmp_path / "p.key"), threads=1, probe_bytes=1 << 16)
+        node = PeerNode(mine, cfg, identity=Identity.generate())
+        built: list[bool] = []
+        node._build_training = lambda: built.append(True)  # type: ignore[method-assign]
+        with pytest.raises(
+            IncompatibleSwarmError, match="was at round 7 with another run config.*model: 'gpt2-124m' here"
+        ):
+            await asyncio.wait_for(node.start(), 30)
+        assert built == []  # before: refused after the profile, by initial_state's empty-swarm check
+    finally:
+        if node is not None:
+            await node.shutdown()
+        await stop_node(boot)

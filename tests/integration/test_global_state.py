@@ -5,6 +5,8 @@ byte ranges of the buffer and refuse a round the state no longer holds."""
 
 from __future__ import annotations
 
+import logging
+
 import json
 import struct
 import threading
@@ -371,7 +373,7 @@ async def test_an_attempt_that_fails_as_it_is_cancelled_leaves_no_unretrieved_ta
 
 
 @pytest.mark.timeout(60)
-async def test_donors_that_all_refuse_the_connection_are_reported_as_unreachable():
+async def test_donors_that_all_refuse_the_connection_are_reported_as_unreachable(caplog):
     """Session 34 (a fresh-user trial: a peer resumed after the run's peers had exited asked the gone donors 44
     times in 25 s): when every donor is unreachable (gRPC UNAVAILABLE) the download raises DonorsUnreachable, which
     the catch-up gives up on after ``UNREACHABLE_ATTEMPTS``; a donor that answers with a refusal is a plain
@@ -390,6 +392,15 @@ async def test_donors_that_all_refuse_the_connection_are_reported_as_unreachable
                 await download_state(
                     client, [gone_a, gone_b], round=5, numel=gs.num_params, expected_digest=gs.digest, timeout_s=10.0
                 )
+            # a gone donor is said once per download, not once per piece (fresh user 46: 104 lines in 45 s)
+            with caplog.at_level(logging.INFO, logger="geomesh_p2p.sync"):
+                caplog.clear()
+                with pytest.raises(DonorsUnreachable):
+                    await download_state(
+                        client, [gone_a] * 3, round=5, numel=gs.num_params, expected_digest=gs.digest, timeout_s=10.0
+                    )
+            said = [r for r in caplog.records if r.getMessage().startswith("state piece") and r.levelno >= logging.INFO]
+            assert [r.getMessage().split(" from ")[1].split(" ")[0] for r in said] == [gone_a]
             # one donor that answers (it holds round 4, not 5) beside a gone one: not every donor is unreachable
             with pytest.raises(StateSyncError, match="failed on every donor") as info:
                 await download_state(

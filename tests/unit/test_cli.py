@@ -303,3 +303,38 @@ def test_join_refuses_bad_run_values_before_importing_torch(tmp_path):
         assert message in out.stderr and "Traceback" not in out.stderr, (flags, out.stderr[-2000:])
         assert out.stdout.strip().endswith("NO TORCH"), (flags, out.stdout)
     assert not key.exists()
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--speed-factors", "1,x"], "argument --speed-factors: '1,x': expected a number, got 'x'"),
+        (["--speed-factors", "1,2"], "argument --speed-factors: '1,2': must be in (0, 1], got 2"),
+        (["--memory-budgets", "2,y"], "argument --memory-budgets: '2,y': expected a number, got 'y'"),
+        (
+            ["--speed-factors", "1", "--memory-budgets", "0"],
+            "argument --memory-budgets: '0': must be a finite number > 0",
+        ),
+    ],
+)
+def test_a_bad_demo_number_list_names_only_its_flag(args, line, capsys):
+    """Fresh user 46: ``demo --speed-factors 1,x`` said "--speed-factors '1,x' / --memory-budgets '': expected
+    comma-separated numbers", naming a flag that was not given; each list is now checked by its own flag's type."""
+    with pytest.raises(SystemExit) as ei:
+        main(["demo", *args])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert line in err
+    other = "--memory-budgets" if "--speed-factors" in line else "--speed-factors"
+    assert other not in err
+
+
+def test_a_bad_bootstrap_k_or_alpha_names_only_its_flag(capsys):
+    """The same kind in geomesh-bootstrap: "--k 20 / --alpha 0: must be >= 1" named both flags."""
+    from bootstrap.cli import parse as boot_parse
+
+    for flag in ("--alpha", "--k"):
+        with pytest.raises(SystemExit) as ei:
+            boot_parse(["--run-id", "r", flag, "0"])
+        assert ei.value.code == 2
+        assert capsys.readouterr().err.strip() == f"geomesh-bootstrap: {flag} 0: must be >= 1"

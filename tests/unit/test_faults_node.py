@@ -397,6 +397,23 @@ async def test_resuming_behind_a_run_the_bootstrap_saw_further_along_says_so(mon
     assert said == []
 
 
+async def test_resuming_behind_names_the_newest_round_the_leaving_peers_records_show(monkeypatch):
+    """Fresh user 46: resumed at round 10, the warning said the bootstrap saw round 11 ("resume from a checkpoint of
+    round 11") while the two peers that finished had left records of round 15, which the same peer read a second
+    later ("the swarm was last seen at round 15"). The newest round known is the one named and advised."""
+    gone = [
+        _rec(f"Finished{i}", 15, digest="ef" * 32).model_copy(update={"leaving": True, "address": f"127.0.0.1:700{i}"})
+        for i in (1, 3)
+    ]
+    node, _ = _empty_swarm_node(monkeypatch, _progress(11), peers_seq=[gone])
+    node.round = 10
+    with events.capture("resumed_behind_swarm") as said:
+        await node._warn_if_resumed_behind()
+    assert [(e["round"], e["swarm_round"], e["bootstrap_round"]) for e in said] == [(10, 15, 11)]
+    assert "reached round 15 (bootstrap Bootstra saw run" in said[0]["message"]
+    assert said[0]["message"].endswith("resume from a checkpoint of round 15)")
+
+
 @pytest.mark.parametrize("where", ["start", "initial_state"])
 async def test_a_peer_refused_before_it_took_the_runs_state_writes_no_checkpoint(monkeypatch, tmp_path, where):
     """Fresh-user trial 41: a join refused after start-up (the remembered swarm had another run config) wrote a

@@ -45,6 +45,18 @@ def test_one_identity_of_the_runs_config_at_round_1e9_does_not_name_the_round():
     )
 
 
+def test_a_live_record_behind_does_not_take_the_round_back_from_the_peers_that_finished():
+    """Fresh user 46: p2 killed at round 11 (its record outlives it), p1 and p3 finished round 15 and left: the
+    bootstrap said the run was at round 11, from the one live record, and a resumed p2 was told to resume from a
+    checkpoint of round 11. A round more than half of all the records reached counts too."""
+    assert progress_of([_rec(11, "run"), _rec(15, "run", True), _rec(15, "run", True)], "b", 1.0).round == 15
+    # the resumed p2 announcing its checkpoint's round 10: the same
+    recs = [_rec(10, "run"), _rec(11, "run"), _rec(15, "run", True), _rec(15, "run", True), _rec(15, "run", True)]
+    assert progress_of(recs, "b", 1.0).round == 15
+    # but not a minority of leaving records ahead of the live majority
+    assert progress_of([_rec(11, "run"), _rec(11, "run"), _rec(15, "run", True)], "b", 1.0).round == 11
+
+
 def test_the_run_config_remembered_is_the_one_most_records_of_the_hash_carry():
     """Red team, session 16: one identity copying the run's config hash with another (or an oversized) run
     config in its record, listed first, made the bootstrap remember that config; readers then dropped it (it

@@ -157,6 +157,28 @@ async def test_after_the_first_round_a_peer_left_with_no_live_peer_ends_instead_
     assert drv2.ended is None
 
 
+async def test_a_sole_peer_that_was_the_whole_swarm_ends_holding_the_runs_state():
+    """Fresh user 46: the first and only peer of a run (--min-peers 3) trained round 0 alone after the wait, then at
+    round 1 ended "NOT the swarm's: the swarm never confirmed it", exit 3, though its own rounds were the run's
+    whole lineage. It still does not train on alone after the first round, but ends synced and says why; a peer
+    that saw another record at any read (or resumed past round 0) ends as before."""
+    (p,) = _peers(1)
+    drv = p.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(drv.run(), 30)
+    assert [r.round for r in drv.history] == [0]
+    assert drv.ended is not None and (drv.ended.round, drv.ended.swarm_round, drv.ended.synced) == (1, 1, True)
+    assert [(e["cause"], e["synced"]) for e in ended] == [("alone", True)]
+    assert "this peer was the whole swarm" in drv.ended.why and "--min-peers is 1 (it is 3)" in drv.ended.why
+    # another peer's record read once (it left before round 0 ended, its record gone): the old end, not synced
+    q, gone = _peers(2)
+    del q.swarm.records[gone.me]
+    drv2 = q.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    drv2.remember([gone.record()])
+    await asyncio.wait_for(drv2.run(), 30)
+    assert drv2.ended is not None and drv2.ended.synced is False and "NOT the swarm's" in drv2.ended.why
+
+
 async def test_a_peer_whose_last_round_is_not_the_swarms_state_does_not_end_synced():
     me, a, b = _peers(3)
     for p in (a, b):

@@ -222,6 +222,45 @@ async def test_a_catch_up_gives_up_on_donors_that_all_refuse_the_connection(monk
     assert node.state.round == 0
 
 
+async def test_donors_that_announced_leaving_and_refuse_the_connection_are_asked_once(monkeypatch):
+    """Fresh user 46: p2, resumed at round 10 after p1 and p3 finished round 15 and exited, asked them for round 15
+    104 times in 45 s (3 downloads per catch-up, a catch-up every 3 s while their leaving records lived), then trained
+    alone untold. A leaving peer serves its state only until it exits: once its address refuses the connection its
+    record neither donates nor votes (so the peer is not behind it), and one WARNING says no live peer holds the
+    state; a new record of that peer (restarted) counts again."""
+    from geomesh_p2p.sync.download import DonorsUnreachable
+
+    ids, honest = _honest(round=15, digest="honest")
+    left = [r.model_copy(update={"leaving": True}) for r in honest]
+    node = _node(round=10, digest="mine", trained=True)
+    tries = []
+
+    async def gone(transport, donors, *, round, **kw):
+        tries.append(round)
+        raise DonorsUnreachable("piece 0 failed on every donor: UNAVAILABLE: connection refused")
+
+    async def peers(include_leaving=False):
+        return left
+
+    async def announce():
+        pass
+
+    import geomesh_p2p.sync.download as ss
+
+    monkeypatch.setattr(ss, "download_state", gone)
+    node.state.numel, node.state.state_numel = 2, 2
+    sync = _sync(node.state, peers=peers, announce=announce)
+    assert sync.swarm_round(left) == 15 and await sync.behind()
+    with events.capture("no_live_donor") as said:
+        await sync.catch_up()  # no error: nothing to retry
+    assert tries == [15]  # before: 3 downloads, then StateSyncError, and the driver's retry 3 s later
+    assert [(e["round"], sorted(e["donors"])) for e in said] == [(15, sorted(r.peer_id for r in left))]
+    assert "keeps the state it holds, round 10, not the swarm's" in said[0]["message"]
+    assert node.state.round == 10 and sync.swarm_round(left) is None and not await sync.behind()
+    back = [left[0].model_copy(update={"leaving": False, "timestamp": left[0].timestamp + 60})] + left[1:]
+    assert sync.swarm_round(back) == 15  # restarted: its new record votes again
+
+
 def test_young_swarm_counts_addresses_not_identities():
     """Nobody has delivered yet (no history anywhere): one address, one vote; 30 identities behind one
     address lose to 2 honest addresses, and a lone record still leads a 2-peer swarm."""

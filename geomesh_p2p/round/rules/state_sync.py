@@ -135,6 +135,10 @@ class StateSync:
         #: the records whose votes count in the catch-up's state vote (the policy's ``digest_voters``: without the
         #: peers this peer excludes); all of them when unset
         self.voters: Callable[[list[PeerRecord]], list[PeerRecord]] = list
+        #: peer -> the timestamp of its leaving record whose address refused the connection: that peer exited (a
+        #: leaving peer serves its state only until it does), so that record neither votes nor donates
+        #: (:meth:`state_vote`); a new record of it (restarted) counts again
+        self._gone: dict[str, float] = {}
 
     def progress(self) -> Optional[SyncProgress]:
         """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
@@ -401,6 +405,10 @@ class StateSync:
                         last_attempt=attempt == STATE_SYNC_ATTEMPTS - 1,
                     )
                 except state_sync.StateSyncError as e:
+                    held = held_round if held_digest else start_round
+                    if isinstance(e, state_sync.DonorsUnreachable) and self._left_for_good(recs, donors, top, held):
+                        self.state.round = held
+                        return  # no live donor: this peer goes on from the state it holds (said in one line)
                     # all donors gone (no connection) several times in a row: they have left; anything else resets it
                     unreachable = unreachable + 1 if isinstance(e, state_sync.DonorsUnreachable) else 0
                     if unreachable >= UNREACHABLE_ATTEMPTS:
@@ -445,6 +453,36 @@ class StateSync:
             self._note_rate()
             self.syncing, self.meter = False, None
             await self._announce()
+
+    def _left_for_good(self, recs: list, donors, top: int, held: int) -> bool:
+        """After a download whose ``donors`` (addresses) all refused the connection: those whose records in ``recs``
+        announced leaving exited, and are no donors (nor voters) from now on (:attr:`_gone`). True when every
+        donor did so: then one line says that no live peer holds the state of round ``top`` and what this peer
+        does instead, from its state of round ``held`` (fresh user 46: a peer resumed after the others finished asked the two gone ones 104 times
+        in 45 s, a line per piece, then trained alone untold)."""
+        by_address = {r.address: r for r in recs if r.address}
+        left = [by_address[d] for d in donors if d in by_address and by_address[d].leaving]
+        for r in left:
+            self._gone[r.peer_id] = float(r.timestamp)
+        if not left or len(left) < len(donors):
+            return False
+        events.emit(
+            log,
+            logging.WARNING,
+            "no_live_donor",
+            "no live peer holds the swarm's state of round %d: its %d donor(s) (%s) announced leaving and refuse "
+            "connections (they exited), so they are not asked again; this peer keeps the state it holds, round %d, "
+            "not the swarm's (training on from it is a new lineage; a peer of the run that comes back may hand it "
+            "a newer state)",
+            top,
+            len(left),
+            ", ".join(f"{r.peer_id[:10]} at {r.address}" for r in left),
+            held,
+            peer=self.state.me,
+            round=top,
+            donors=[r.peer_id for r in left],
+        )
+        return True
 
     def _why_not_back(self, choice, recs, held_round: int, held_digest: str) -> Optional[str]:
         """Why this peer must not adopt ``choice`` (a state of a round below ``held_round``, the round of the
@@ -659,6 +697,7 @@ class StateSync:
     def state_vote(self, recs):
         """:func:`~geomesh_p2p.trust.standing.choose_state` for this peer; logs once a state that most identities
         announce but the standing this peer sees does not back, when it would have moved this peer."""
+        recs = [r for r in recs if not (r.leaving and self._gone.get(r.peer_id) == float(r.timestamp))]
         vote = choose_state(recs, me=self.state.me, standing=self.state.standing, trained=bool(self.state.history))
         ref = vote.refusal
         if ref is not None:
