@@ -208,6 +208,9 @@ async def download_state(
     bounds = [(total * i // n, total * (i + 1) // n) for i in range(n)]
     unhealthy: set[str] = set()
     unreachable: set[str] = set()  # donors no connection reached (DonorsUnreachable when all are)
+    # donor -> its latest failure, any piece: a piece skips donors a sibling already found unhealthy, so its own
+    # errors may name only some of them (a test saw "connection refused" alone where the other said "no state yet")
+    reasons: dict[str, str] = {}
 
     def event(kind: str, piece: int, donor: str, detail: str = "") -> None:
         if on_event is not None:
@@ -341,6 +344,7 @@ async def download_state(
                     unreachable.add(donor)
                 moving[piece] = True
                 errors.append(str(e))
+                reasons[donor] = str(e)
                 event(kind, piece, donor, str(e))
                 moved_on = donor_moved_on(e, round)
                 events.emit(
@@ -377,7 +381,8 @@ async def download_state(
                     # sibling piece failed) left "Task exception was never retrieved" (an ERROR with traceback)
                     task.exception()
         if got[0] != end:
-            why = f"piece {piece} failed on every donor: {errors[-1] if errors else 'no healthy donor'}"
+            every = "; ".join(reasons[d] for d in dict.fromkeys(donors) if d in reasons)
+            why = f"piece {piece} failed on every donor: {every or (errors[-1] if errors else 'no healthy donor')}"
             raise DonorsUnreachable(why) if donors and set(donors) <= unreachable else StateSyncError(why)
 
     loop = asyncio.get_running_loop()
