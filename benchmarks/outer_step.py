@@ -44,15 +44,7 @@ REPEAT = 3
 def best_of(f, n: int = 3) -> float:
     """The fastest of ``max(n, --repeat)`` runs of ``f()``, in seconds (wall clock, or the thread's CPU time with
     ``--cpu-time``)."""
-    n = max(n, REPEAT)
-    if not CPU_TIME:
-        return _best(f, n)
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.thread_time()
-        f()
-        best = min(best, time.thread_time() - t0)
-    return best
+    return _best(f, max(n, REPEAT), time.thread_time if CPU_TIME else time.perf_counter)
 
 
 def _clipped_s45(outer: OuterNesterov, theta, agg, ranges) -> None:

@@ -187,35 +187,43 @@ async def test_fresh_joiner_downloads_the_honest_state(monkeypatch):
     assert (node.state.round, node.state.digest) == (7, "honest")
 
 
-async def test_a_catch_up_gives_up_on_donors_that_all_refuse_the_connection(monkeypatch):
-    """Session 34: donors whose every piece is refused at the connection (DonorsUnreachable: they have exited, their
-    records outlive them) are asked ``UNREACHABLE_ATTEMPTS`` times, not ``STATE_SYNC_ATTEMPTS`` (30: 44 tries and 87
-    WARNING lines in a fresh-user trial); then the catch-up raises, holding its own state."""
-    from geomesh_p2p.round.rules.state_sync import STATE_SYNC_ATTEMPTS, UNREACHABLE_ATTEMPTS
-    from geomesh_p2p.sync.download import DonorsUnreachable, StateSyncError
+def _sync_of_gone_donors(monkeypatch, node, records):
+    """``(StateSync of node, rounds asked)``: its membership reads ``records``, and every download raises
+    DonorsUnreachable (each donor refused the connection), recording the round it asked for."""
+    from geomesh_p2p.sync.download import DonorsUnreachable
+    import geomesh_p2p.sync.download as ss
 
-    ids, honest = _honest(round=7, digest="honest")
-    node = _node(round=0, digest="seed", trained=False)
-    tries = []
+    tries: list[int] = []
 
     async def gone(transport, donors, *, round, **kw):
         tries.append(round)
         raise DonorsUnreachable("piece 0 failed on every donor: UNAVAILABLE: connection refused")
 
     async def peers(include_leaving=False):
-        return honest
+        return records
 
     async def announce():
         pass
 
-    import geomesh_p2p.round.rules.state_sync as rs
-    import geomesh_p2p.sync.download as ss
-
     monkeypatch.setattr(ss, "download_state", gone)
+    node.state.numel, node.state.state_numel = 2, 2
+    return _sync(node.state, peers=peers, announce=announce), tries
+
+
+async def test_a_catch_up_gives_up_on_donors_that_all_refuse_the_connection(monkeypatch):
+    """Session 34: donors whose every piece is refused at the connection (DonorsUnreachable: they have exited, their
+    records outlive them) are asked ``UNREACHABLE_ATTEMPTS`` times, not ``STATE_SYNC_ATTEMPTS`` (30: 44 tries and 87
+    WARNING lines in a fresh-user trial); then the catch-up raises, holding its own state."""
+    from geomesh_p2p.round.rules.state_sync import STATE_SYNC_ATTEMPTS, UNREACHABLE_ATTEMPTS
+    from geomesh_p2p.sync.download import StateSyncError
+
+    ids, honest = _honest(round=7, digest="honest")
+    node = _node(round=0, digest="seed", trained=False)
+    import geomesh_p2p.round.rules.state_sync as rs
+
     real_sleep = asyncio.sleep
     monkeypatch.setattr(rs.asyncio, "sleep", lambda s: real_sleep(0))  # the 0.5 s between tries
-    node.state.numel, node.state.state_numel = 2, 2
-    sync = _sync(node.state, peers=peers, announce=announce)
+    sync, tries = _sync_of_gone_donors(monkeypatch, node, honest)
     with pytest.raises(StateSyncError, match=f"after {UNREACHABLE_ATTEMPTS} attempt"):
         await sync.catch_up()
     assert tries == [7] * UNREACHABLE_ATTEMPTS and UNREACHABLE_ATTEMPTS < STATE_SYNC_ATTEMPTS
@@ -228,28 +236,11 @@ async def test_donors_that_announced_leaving_and_refuse_the_connection_are_asked
     alone untold. A leaving peer serves its state only until it exits: once its address refuses the connection its
     record neither donates nor votes (so the peer is not behind it), and one WARNING says no live peer holds the
     state; a new record of that peer (restarted) counts again."""
-    from geomesh_p2p.sync.download import DonorsUnreachable
 
     ids, honest = _honest(round=15, digest="honest")
     left = [r.model_copy(update={"leaving": True}) for r in honest]
     node = _node(round=10, digest="mine", trained=True)
-    tries = []
-
-    async def gone(transport, donors, *, round, **kw):
-        tries.append(round)
-        raise DonorsUnreachable("piece 0 failed on every donor: UNAVAILABLE: connection refused")
-
-    async def peers(include_leaving=False):
-        return left
-
-    async def announce():
-        pass
-
-    import geomesh_p2p.sync.download as ss
-
-    monkeypatch.setattr(ss, "download_state", gone)
-    node.state.numel, node.state.state_numel = 2, 2
-    sync = _sync(node.state, peers=peers, announce=announce)
+    sync, tries = _sync_of_gone_donors(monkeypatch, node, left)
     assert sync.swarm_round(left) == 15 and await sync.behind()
     with events.capture("no_live_donor") as said:
         await sync.catch_up()  # no error: nothing to retry
