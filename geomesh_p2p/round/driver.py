@@ -314,6 +314,7 @@ class RoundDriver:
         self._whole_swarm = (
             int(self.state.round) == 0 and known_round <= 0 and not any(p != self.me for p in self._recent)
         )
+        self._swarm_seen = max(self._swarm_seen, known_round)  # a peer left alone says where the run was
         watcher = asyncio.ensure_future(self._say_leaving_on_stop())
         try:
             await self._rounds()

@@ -190,9 +190,11 @@ async def test_a_sole_peer_resumed_at_round_0_of_a_run_known_further_along_is_no
     with events.capture("swarm_ended") as ended:
         await asyncio.wait_for(drv.run(known_round=15), 30)
     assert [r.round for r in drv.history] == [0]
-    assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (1, False)
+    assert drv.ended is not None and (drv.ended.round, drv.ended.swarm_round, drv.ended.synced) == (1, 15, False)
     assert [(e["cause"], e["synced"]) for e in ended] == [("alone", False)]
-    assert "whole swarm" not in drv.ended.why and "NOT the swarm's" in drv.ended.why
+    assert (
+        "whole swarm" not in drv.ended.why and "NOT the swarm's: the swarm was last seen at round 15" in drv.ended.why
+    )
 
 
 async def test_a_peer_whose_last_round_is_not_the_swarms_state_does_not_end_synced():
