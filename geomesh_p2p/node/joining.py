@@ -547,6 +547,7 @@ async def warn_if_resumed_behind(node: PeerNode) -> None:
     # finished had announced round 15, which this peer read a second later as "the swarm was last seen at round 15")
     left = node.resync.swarm_round(everyone) if everyone else None
     newest = max(prog.round if prog is not None else -1, left if left is not None else -1)
+    node.rs.known_round = max(node.rs.known_round, newest)  # a resume at round 0 behind it is no whole swarm
     if newest <= node.round:
         return
     seen = f"bootstrap {prog.by[:8] or '?'} saw run {node.run_cfg.run_id!r} at round {prog.round}" if prog else ""
@@ -646,6 +647,7 @@ async def on_empty_swarm(node: PeerNode) -> None:
         log.info("--on-empty-swarm seed: starting the run again from the seed at round 0")
         return
     refuse_remembered_config(node, prog)
+    node.rs.known_round = max(node.rs.known_round, prog.round)  # resumed or waited at round 0: no whole swarm
     if how == "resume":
         d = node.cfg.checkpoint_dir
         ck = await asyncio.to_thread(gstate.load_latest_checkpoint, d) if d else None

@@ -187,7 +187,8 @@ class RoundDriver:
         self._confirmed_round: int = 0
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
-        #: this session started from the seed (round 0) and no read has shown another peer's record yet: this
+        #: this session started from the seed (round 0) of a run known at no later round (``run``'s
+        #: ``known_round``) and no read has shown another peer's record yet: this
         #: peer is the whole swarm, its state the run's (:func:`~geomesh_p2p.round.resync.left_alone`); set in
         #: :meth:`run`, cleared by the first other record :meth:`remember` or ``behind`` reads
         self._whole_swarm = False
@@ -299,15 +300,21 @@ class RoundDriver:
             self.progressed_at = self.clock.monotonic()
 
     # ------------------------------------------------------------------ the loop
-    async def run(self) -> None:
+    async def run(self, known_round: int = 0) -> None:
         """Rounds until done. Catches up first whenever the swarm holds a later round. A background
-        evaluation still running at the end is waited for (its thread cannot be cancelled)."""
+        evaluation still running at the end is waited for (its thread cannot be cancelled). ``known_round``: the
+        newest round the join knew the run at (``RoundState.known_round``); past round 0, a session starting at round
+        0 is not the whole swarm (red team 46: a peer resumed from a round-0 checkpoint of a run that had reached
+        round 15 trained alone, then ended "its state is the run's", synced, exit 0)."""
         # The state this session starts from (round 0, or a checkpoint's round on --resume) counts as confirmed: what
         # this peer noted before it (its restored standing credits and penalties) is never dropped as an
         # unconfirmed lineage's by a re-sync (a fresh-user trial, session 31: a peer resumed at round 24 behind the
         # swarm caught up to round 30 and dropped its standing of rounds 0-23, all of them digest-checked)
         self._confirmed_round = max(self._confirmed_round, int(self.state.round))
-        self._whole_swarm = int(self.state.round) == 0 and not any(p != self.me for p in self._recent)
+        self._whole_swarm = (
+            int(self.state.round) == 0 and known_round <= 0 and not any(p != self.me for p in self._recent)
+        )
+        self._swarm_seen = max(self._swarm_seen, known_round)  # a peer left alone says where the run was
         watcher = asyncio.ensure_future(self._say_leaving_on_stop())
         try:
             await self._rounds()

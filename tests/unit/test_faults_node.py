@@ -414,6 +414,25 @@ async def test_resuming_behind_names_the_newest_round_the_leaving_peers_records_
     assert said[0]["message"].endswith("resume from a checkpoint of round 15)")
 
 
+async def test_the_join_notes_the_round_it_knew_the_run_at_for_the_whole_swarm_end(monkeypatch, tmp_path):
+    """Red team 46: the round a bootstrap or the leaving peers' records showed the run at, as the peer joined, is
+    kept (``rs.known_round``): a peer resumed (or ``--on-empty-swarm resume``) at round 0 behind it is no whole
+    swarm at its end (``RoundDriver.run(known_round=...)``); ``--on-empty-swarm seed`` starts the run anew (0)."""
+    node, _ = _empty_swarm_node(monkeypatch, _progress(15), peers_seq=[[]])
+    node.round = 0
+    await node._warn_if_resumed_behind()
+    assert node.rs.known_round == 15
+    node, _ = _empty_swarm_node(monkeypatch, _progress(15), on_empty_swarm="resume", checkpoint_dir=str(tmp_path))
+    node.state_numel = 4
+    meta = {"run_config_hash": node.config_hash}
+    gstate.save_checkpoint(tmp_path, round=0, theta=torch.zeros(4), momentum=torch.zeros(4), meta=meta)
+    await node._on_empty_swarm()
+    assert node.rs.known_round == 15
+    node, _ = _empty_swarm_node(monkeypatch, _progress(15), on_empty_swarm="seed")
+    await node._on_empty_swarm()
+    assert node.rs.known_round == 0
+
+
 @pytest.mark.parametrize("where", ["start", "initial_state"])
 async def test_a_peer_refused_before_it_took_the_runs_state_writes_no_checkpoint(monkeypatch, tmp_path, where):
     """Fresh-user trial 41: a join refused after start-up (the remembered swarm had another run config) wrote a

@@ -179,6 +179,24 @@ async def test_a_sole_peer_that_was_the_whole_swarm_ends_holding_the_runs_state(
     assert drv2.ended is not None and drv2.ended.synced is False and "NOT the swarm's" in drv2.ended.why
 
 
+async def test_a_sole_peer_resumed_at_round_0_of_a_run_known_further_along_is_not_the_whole_swarm():
+    """Red team 46: a peer stopped while it waited at round 0 (its final checkpoint: round 0) resumed after the run
+    had reached round 15 and its peers had left (their records expired, a bootstrap remembering round 15: the join's
+    "resumed behind ... a fork of the run" WARNING). Alone, it trained round 0 and ended "this peer was the whole
+    swarm, so its state (round 1) is the run's", synced, exit 0: the run it forked from was 14 rounds further on.
+    A round the join knew the run at (``known_round``) past this peer's keeps it from being the whole swarm."""
+    (p,) = _peers(1)
+    drv = p.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(drv.run(known_round=15), 30)
+    assert [r.round for r in drv.history] == [0]
+    assert drv.ended is not None and (drv.ended.round, drv.ended.swarm_round, drv.ended.synced) == (1, 15, False)
+    assert [(e["cause"], e["synced"]) for e in ended] == [("alone", False)]
+    assert (
+        "whole swarm" not in drv.ended.why and "NOT the swarm's: the swarm was last seen at round 15" in drv.ended.why
+    )
+
+
 async def test_a_peer_whose_last_round_is_not_the_swarms_state_does_not_end_synced():
     me, a, b = _peers(3)
     for p in (a, b):

@@ -29,6 +29,9 @@ class RoundState:
         history: the rows of the rounds this peer trained (a vote counts standing once it trained).
         theta_maxabs: max |theta| of the global state held (set with its commit; None before one): the
             round's aggregate scale bound (:func:`~geomesh_p2p.round.rules.spec.aggregate_scale_bound`).
+        known_round: the newest round the join knew the run at (a bootstrap's remembered progress, the vote of the
+            leaving peers' records: node/joining.py; 0 when none, or ``--on-empty-swarm seed``): a session that
+            starts at round 0 behind it is not the whole swarm (``RoundDriver.run``).
     """
 
     me: Optional[str] = None
@@ -39,3 +42,4 @@ class RoundState:
     standing: Standing = field(default_factory=Standing)
     history: list[Any] = field(default_factory=list)
     theta_maxabs: Optional[float] = None
+    known_round: int = 0
