@@ -159,7 +159,7 @@ def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float
         else "NOT the swarm's: the swarm never confirmed it (its last round had no agreeing digest check)"
     )
     why = (
-        f"no other peer of the run is live (waited {waited_s:.0f} s for --min-peers {drv.cfg.min_peers}); "
+        f"no other peer of the run is live (waited {waited_s:.0f} s for one to train with); "
         f"this peer's state (round {r}, digest {(drv.state.digest or '')[:8]}) is {state}"
     )
     return SwarmEnded(round=r, swarm_round=max(r, seen), synced=False, why=why, cause="alone")
