@@ -50,6 +50,17 @@ def _reachable(plan, floor: dict) -> dict[str, bool]:
     return out
 
 
+def _refusals_of_a_rogue_row(plan, peer_id: str, update: dict, records, cfg) -> tuple:
+    """What a full follower (``check_plan``) and a sampled one (``check_plan_sampled``, no records) say of ``plan``
+    with ``peer_id``'s assignment changed by ``update`` (a rogue leader's row)."""
+    rows = [x.model_copy(update=update) if x.peer_id == peer_id else x for x in plan.assignments]
+    rogue = plan.model_copy(update={"assignments": rows})
+    return (
+        check_plan(rogue, records, cfg, now=plan.created_at),
+        check_plan_sampled(rogue, {}, cfg, now=plan.created_at),
+    )
+
+
 def test_an_honest_screened_round_never_plans_every_peer_a_floor_its_times_cannot_reach():
     # 256 tokens a step at 42.67 tokens/s: 6 s a step; a 20 s window holds 3; the exchange window 5 s: 2 s of grace
     records, cfg = _records(256 / 6.0), _cfg(window_s=20.0, exchange_timeout_s=5.0)
@@ -77,17 +88,8 @@ def test_the_floor_is_still_planned_where_the_grace_reaches_it_and_a_rogue_canno
         assert check_plan(plan, records, cfg, now=plan.created_at) is None
         assert check_plan_sampled(plan, {IDS[2]: records[IDS[2]]}, cfg, now=plan.created_at) is None
     # with 0.8 s to spare, a leader that plans one of them its window's 3 steps (never decided) is refused
-    rows = [
-        a.model_copy(update={"inner_steps": 3, "token_budget": 3 * 256, "predicted_compute_s": 3.0})
-        if a.peer_id == IDS[2]
-        else a
-        for a in plan.assignments
-    ]
-    rogue = plan.model_copy(update={"assignments": rows})
-    for reason in (
-        check_plan(rogue, records, cfg, now=plan.created_at),
-        check_plan_sampled(rogue, {}, cfg, now=plan.created_at),
-    ):
+    update = {"inner_steps": 3, "token_budget": 3 * 256, "predicted_compute_s": 3.0}
+    for reason in _refusals_of_a_rogue_row(plan, IDS[2], update, records, cfg):
         assert isinstance(reason, ContentRefusal) and "outside 7..500" in reason
 
 
@@ -124,15 +126,6 @@ def test_a_newcomer_announcing_a_batch_at_the_spread_cap_is_not_raised_past_the_
         assert check_plan(plan, records, cfg, now=plan.created_at) is None
         assert check_plan_sampled(plan, {new: records[new]}, cfg, now=plan.created_at) is None
         # a leader that raises it to the 5 steps anyway is refused by every follower
-        rows = [
-            x.model_copy(update={"inner_steps": 5, "token_budget": 5 * 512 * L, "predicted_compute_s": 5 * 0.16384})
-            if x.peer_id == new
-            else x
-            for x in plan.assignments
-        ]
-        rogue = plan.model_copy(update={"assignments": rows})
-        for reason in (
-            check_plan(rogue, records, cfg, now=plan.created_at),
-            check_plan_sampled(rogue, {}, cfg, now=plan.created_at),
-        ):
+        update = {"inner_steps": 5, "token_budget": 5 * 512 * L, "predicted_compute_s": 5 * 0.16384}
+        for reason in _refusals_of_a_rogue_row(plan, new, update, records, cfg):
             assert reason is not None and "token budget 81920 for " in reason, reason
