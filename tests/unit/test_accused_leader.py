@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pydantic
 import pytest
 
-from geomesh_p2p.plan.agree import choose_plan, leader_rank
+from geomesh_p2p.plan.agree import choose_plan, leader_order, leader_rank
 from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, RoundPlan, max_accused
 from geomesh_p2p.plan.wire import decode_body, encode_body
 from geomesh_p2p.round import light
@@ -24,7 +24,9 @@ from geomesh_p2p.round.planning import last_round_leaders, lead_problem, next_le
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.round.rules.verified import VerifiedWork
 from geomesh_p2p.trust.verify_check import FAIL, MARGINAL
+from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.trust.verify_fetch import EvidenceExchange
+from tests.rules_util import light_driver, make_rules
 
 pytestmark = pytest.mark.timeout(20)
 RUN = "accused-leader-test"
@@ -164,3 +166,21 @@ def test_the_leader_names_the_participants_unsettled_hard_evidence_accuses():
     work.verifier = both  # type: ignore[assignment]
     assert work.accused(round_5) == [a0]
     assert work.accused(_plan(5, a0, [a0, *honest])) == [h2]  # never the plan's leader
+
+
+def test_a_light_follower_ranks_the_full_paths_candidates_without_the_accused():
+    """``light.lead_order`` (the full-view slots) leaves out the accused of round R - 1's plan as the full path's
+    candidates do: before, the accused ranked first held the only full-view slot of ``--full-view-peers 1`` while
+    the full path refused its plan, and the peer the full path lets lead first ran light."""
+    r, ids = 6, [f"peer{i:02d}" for i in range(6)]
+    took = leader_order(RUN, r, ids[1:])  # ids[0] led round 5
+    accused, second = took[0], took[1]
+    standing = Standing()
+    for k in range(r):
+        standing.credit(k, ids)
+    rules = make_rules(me=second, round=r, standing=standing)
+    drv = light_driver(rules, me=second, ids=ids, leader=ids[0], run_id=RUN)
+    drv._last_plan.accused = [accused]
+    assert light.lead_order(drv, drv._last_plan, r) == took[1:]
+    assert light.is_light(drv) is False  # the full-view peer: the full path's first candidate
+    assert last_round_leaders(drv._last_plan, r, took) == frozenset(took[1:])
