@@ -184,3 +184,16 @@ def test_a_light_follower_ranks_the_full_paths_candidates_without_the_accused():
     assert light.lead_order(drv, drv._last_plan, r) == took[1:]
     assert light.is_light(drv) is False  # the full-view peer: the full path's first candidate
     assert last_round_leaders(drv._last_plan, r, took) == frozenset(took[1:])
+
+
+def test_the_leaders_plan_carries_the_names(monkeypatch):
+    """``NodeRoundPolicy.make_plan``: the planner's plan with ``accused`` from verified work's unsettled evidence."""
+    a0, honest = _p4(6)
+    h0, h1, h2 = honest
+    rules = make_rules(me=h1, round=5)
+    monkeypatch.setattr(rules.planning, "make_plan", lambda members, leader: _plan(5, leader, [a0, *honest]))
+    assert rules.make_plan([], h1).accused == []
+    rules.verified.verifier = _exchange(h1, {2: _plan(2, h0, [a0, *honest])}, [(h2, a0, 2, FAIL)])  # type: ignore[assignment]
+    plan = rules.make_plan([], h1)
+    assert plan.accused == [a0] and a0 in plan.participants()
+    assert RoundPlan.from_bytes(plan.to_bytes()) == plan  # valid as sent
