@@ -15,6 +15,14 @@ from geomesh_p2p.schema.compat import WIRE_MODEL
 PLAN_SCHEMA_VERSION = 1
 
 
+def max_accused(n_participants: int) -> int:
+    """The most peers a plan of ``n_participants`` may name in :attr:`RoundPlan.accused`: a tenth of them, at least
+    one. Bounds what a rogue leader gains by naming honest peers (they lead nothing in the next round, so the next
+    leader is drawn from fewer honest ones: with ``c`` colluders among ``n`` participants, ``c / (n - 1 - k)`` instead
+    of ``c / (n - 1)``) and keeps the field small (25 ids at 256 peers, ~1.3 KB before compression)."""
+    return max(1, int(n_participants) // 10)
+
+
 Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
 
 
@@ -172,6 +180,11 @@ class RoundPlan(BaseModel):
     # while empty (peers of the releases before the compatibility policy refuse unknown fields); a run that
     # uses it has ``undo_forged`` set, a patch field, so older peers refuse its config hash (docs/compat.md).
     undo: list[tuple[int, int]] = Field(default_factory=list, max_length=16)
+    # Participants against which the leader held published verified-work evidence it had not settled yet when it
+    # planned (issue 28, session 47): they lead nothing in the next round (round.planning.next_leaders), a function
+    # of this plan alone, the same at every peer that obtained it. Sorted, no duplicates, never the leader, at most
+    # max_accused(participants); left out of the JSON while empty (0.15.0, docs/compat.md).
+    accused: list[str] = Field(default_factory=list)
 
     @field_validator("schema_version")
     @classmethod
@@ -204,6 +217,13 @@ class RoundPlan(BaseModel):
             pos = end
         if pos != self.numel:
             raise ValueError(f"parts cover [0, {pos}) but numel={self.numel}")
+        if self.accused:
+            if any(a >= b for a, b in zip(self.accused, self.accused[1:])):
+                raise ValueError("accused must be sorted without duplicates")
+            if self.leader in self.accused or not set(self.accused) <= set(ids):
+                raise ValueError("accused must be participants other than the leader")
+            if len(self.accused) > max_accused(len(ids)):
+                raise ValueError(f"{len(self.accused)} accused, over {max_accused(len(ids))} for {len(ids)} peers")
         return self
 
     # helpers -------------------------------------------------------------------------------
@@ -240,7 +260,8 @@ class RoundPlan(BaseModel):
 
     def to_bytes(self) -> bytes:
         """JSON bytes (deterministic for equal plans)."""
-        return self.model_dump_json(exclude=None if self.undo else {"undo"}).encode()
+        empty = {k for k in ("undo", "accused") if not getattr(self, k)}  # absent while empty: the bytes as before
+        return self.model_dump_json(exclude=empty or None).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RoundPlan":

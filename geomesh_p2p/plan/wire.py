@@ -91,8 +91,9 @@ def plan_format(value_bytes: int = PLAN_VALUE_BYTES) -> ChunkFormat:
 def encode_body(plan: RoundPlan) -> bytes:
     """The plan's compact body: columnar JSON, zlib level 9. Deterministic for equal plans."""
     d = plan.model_dump(mode="json")
-    if not d.get("undo"):  # exact undo's list (RunConfig.undo_forged): absent while empty, the body as before
-        d.pop("undo", None)
+    for k in ("undo", "accused"):  # exact undo's list (RunConfig.undo_forged), the accused: absent while empty
+        if not d.get(k):
+            d.pop(k, None)
     rows = d.pop("assignments")
     d["assignments"] = {k: [r[k] for r in rows] for k in _FIELDS}
     return zlib.compress(json.dumps(d, separators=(",", ":"), allow_nan=False).encode(), 9)

@@ -40,7 +40,7 @@ from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, leader_order, leade
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
-from geomesh_p2p.round.planning import discard_early, may_start_early, wait_out
+from geomesh_p2p.round.planning import discard_early, may_start_early, next_leaders, wait_out
 from geomesh_p2p.round.steps import inner_steps
 from geomesh_p2p.schema.shards import record_shard
 from geomesh_p2p.telemetry import events
@@ -73,11 +73,16 @@ def is_light(drv: RoundDriver) -> bool:
     return order is not None and drv.me not in order[: cfg.full_view_peers]
 
 
-def _may_take_over(plan: RoundPlan) -> list[str]:
-    """The participants of ``plan`` that may lead the next round (planning.last_round_leaders: not its leader,
-    unless alone), so that full_view_peers candidates stay full-view peers and every light follower's candidate
-    can lead. PeerIDs."""
-    return [p for p in plan.participants() if p != plan.leader] or plan.participants()
+def _may_take_over(plan: RoundPlan, among: Optional[Sequence[str]] = None) -> list[str]:
+    """The participants of ``plan`` that may lead the next round (planning.next_leaders: not its leader nor those
+    it names accused, else not its leader, else any; the first level with one of ``among``, by default with any),
+    so that full_view_peers candidates stay full-view peers and every light follower's candidate can lead. PeerIDs,
+    sorted."""
+    pool = plan.participants() if among is None else list(among)
+    for took in next_leaders(plan):
+        if any(p in took for p in pool):
+            return [p for p in plan.participants() if p in took]
+    return plan.participants()
 
 
 def lead_order(drv: RoundDriver, plan: RoundPlan, r: int) -> Optional[list[str]]:
@@ -85,14 +90,19 @@ def lead_order(drv: RoundDriver, plan: RoundPlan, r: int) -> Optional[list[str]]
     its leader election (:func:`leader_order`): the first ``full_view_peers`` are the full-view peers, the turns
     that pace a light follower's plan reads. PeerIDs; None when this peer's ledger is too short to rank them
     (``RoundPolicy.may_lead_ids``: it takes the full path)."""
-    took = _may_take_over(plan)
     # ranked among those the full path lets lead (RoundPolicy.may_lead_ids: the bars of its leader_candidates). A
     # peer that applied the last round missed none, so its own ledger decides, no record read. Ranked among every
     # participant instead, the only established peer of a loaded e2e run (the others' underfilled round 0 earned no
     # standing) ran light and waited a whole plan attempt for plans from peers that deferred to it (session 38);
     # ranked among every established one, a crashed no-show ranked first held the only full-view slot (session 39)
-    ids = drv.policy.may_lead_ids((), took)
-    return None if ids is None else leader_order(plan.run_id, r, ids)
+    ids: Optional[list[str]] = []
+    for took in next_leaders(plan):  # the first level that holds one it lets lead, as the full path's candidates
+        ids = drv.policy.may_lead_ids((), sorted(took))
+        if ids is None:
+            return None
+        if ids:
+            break
+    return leader_order(plan.run_id, r, ids or [])
 
 
 #: Most records one sampled read asks for (the DHT's subkeys per find, RecordLimits.max_keys_per_find).
@@ -138,8 +148,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     r, prev = ctx.round, drv._last_plan
     assert prev is not None  # is_light checked it
     established = [a.peer_id for a in prev.assignments if not a.probation]
-    if any(p != prev.leader for p in established):  # no self-succession (planning.last_round_leaders)
-        established = [p for p in established if p != prev.leader]
+    # no self-succession, and none of the accused of round r - 1's plan while another can (planning.next_leaders)
+    took = set(_may_take_over(prev, established))
+    established = [p for p in established if p in took] or established
     # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the full-view
     # peers (is_light's order, so a barred no-show neither paces the reads nor blocks as a refused candidate); every
     # stored plan is read whoever leads it.

@@ -62,10 +62,30 @@ def known_view(live: dict, leaving: dict, recent: Optional[dict] = None) -> dict
     return {**(recent or {}), **leaving, **live}
 
 
+def next_leaders(plan: RoundPlan) -> list[frozenset]:
+    """Who may lead the round after ``plan``, most restrictive first: its participants but its leader and the peers
+    it names as :attr:`~geomesh_p2p.plan.schema.RoundPlan.accused`; but its leader; all of them. A pure function of
+    the plan (the same at every peer that obtained it); :func:`last_round_leaders` and the light followers
+    (``round/light.py``) take the first level that holds one of their candidates.
+
+    The accused (issue 28, session 47): in the backdoor benchmark (session 46, run p4) two honest peers held verdicts
+    against the poisoner a0 by round 4, a0 led round 4 and planned itself in, h1 (its own screen still running, the
+    others' evidence read but not re-checked) led round 5 and planned a0 in, and a0 won round 6's rank and led it
+    after all three held verdicts (out from 7). A leader names the participants against which it holds published
+    evidence it has not settled, so the accused leads nothing in the next round, where a leader that holds the
+    verdict leaves it out. Never a refusal of a participant: naming costs leading one round. A rogue leader naming
+    honest peers removes at most ``max_accused`` of them (the schema bounds it) from one round's draw, and when its
+    names would leave none of a peer's candidates, the level without them is taken (no round without a leader)."""
+    took = frozenset(plan.participants())
+    others = took - {plan.leader}
+    return [others - frozenset(getattr(plan, "accused", ()) or ()), others, took]
+
+
 def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[str]) -> Optional[frozenset]:
     """Who may lead round ``r``: the participants of round ``r - 1``'s plan ``seen`` (the plan this peer obtained
-    for it, followed or not) other than its leader, when one of ``candidates`` is among them; with its leader when
-    no other candidate is; None (no such rule this round) when ``seen`` is of another round or names none of them.
+    for it, followed or not) other than its leader and those it names as accused (:func:`next_leaders`), when one
+    of ``candidates`` is among them; else with the accused; with its leader when no other candidate is; None (no
+    such rule this round) when ``seen`` is of another round or names none of them.
 
     Why (session 29): a peer that verified work excludes is left out of the plans of the leaders that hold the
     verdict, but stays established in everyone's standing for the window's rounds, so it kept leading the rounds
@@ -73,30 +93,31 @@ def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[s
     and 13, was in 12 and 14, both led by it; out from round 6 otherwise). Round ``r - 1``'s plan is the same at
     every peer that obtained it, so this rule is too: a leader left out of it leads nothing in round ``r``, for
     everyone or for no one, and an exclusion that one honest leader applied keeps the accused out of the next
-    round's leadership whoever holds the verdict."""
+    round's leadership whoever holds the verdict.
+
+    No self-succession (session 30): round r - 1's leader leads round r only when no other candidate took part.
+    The benchmark's poisoner, held excluded by every honest peer from round 5, led rounds 6 and 7: it had led 6
+    (planned into round 5 before the verdicts), so it was in round 6's plan, its own, and won round 7's rank too.
+    A plan names its leader, so this is a function of round r - 1's plan as well; an accused that leads a round
+    hands the next one to somebody else, and a leader holding the verdict leaves it out of the round after."""
     if seen is None or seen.round != r - 1:
         return None
-    took = frozenset(seen.participants())
-    if not any(c in took for c in candidates):
-        return None
-    # No self-succession (session 30): round r - 1's leader leads round r only when no other candidate took part.
-    # The benchmark's poisoner, held excluded by every honest peer from round 5, led rounds 6 and 7: it had led 6
-    # (planned into round 5 before the verdicts), so it was in round 6's plan, its own, and won round 7's rank too.
-    # A plan names its leader, so this is a function of round r - 1's plan as well; an accused that leads a round
-    # hands the next one to somebody else, and a leader holding the verdict leaves it out of the round after.
-    others = took - {seen.leader}
-    return others if any(c in others for c in candidates) else took
+    for took in next_leaders(seen):
+        if any(c in took for c in candidates):
+            return took
+    return None
 
 
 def lead_problem(plan: RoundPlan, took: Optional[frozenset]) -> Optional[ContentRefusal]:
-    """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan, or
-    led it while another candidate took part), as
+    """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan, led
+    it while another candidate took part, or was named accused in it while another candidate was not), as
     a :class:`ContentRefusal`: every peer that obtained that plan gives it, so the plan is ignored as absent and
     the next candidate's is followed (no sit-out). None: no objection."""
     if took is None or plan.leader in took:
         return None
     return ContentRefusal(
-        f"its leader {plan.leader[:10]} may not lead: it had no part in the last round's plan, or led it"
+        f"its leader {plan.leader[:10]} may not lead: it had no part in the last round's plan, led it, or was "
+        "named accused in it"
     )
 
 

@@ -83,9 +83,19 @@ class NodeRoundPolicy:
             accountable.undo_on = self.undo_on
 
     def make_plan(self, members, leader):
-        """This peer's plan when it leads (:meth:`PlanRules.make_plan`; raises PlanDeferred), listing the forged
+        """This peer's plan when it leads (:meth:`PlanRules.make_plan`; raises PlanDeferred), naming the participants
+        published evidence accuses that it has not settled yet (:meth:`VerifiedWork.accused`), listing the forged
         parts to undo (:meth:`Accountability.undo_list`) when the run undoes them (``undo_forged``)."""
         plan = self.planning.make_plan(members, leader)
+        accused = self.verified.accused(plan)
+        if accused:  # they lead nothing in the next round (round.planning.next_leaders; issue 28, session 47)
+            plan = plan.model_copy(update={"accused": accused})
+            log.info(
+                "round %d: this plan names %s accused (published evidence not settled here yet): no leader of the "
+                "next round",
+                plan.round,
+                ", ".join(p[:10] for p in accused),
+            )
         if self.undo_on and getattr(plan, "mode", None) == "accountable" and self.accountable is not None:
             undo = self.accountable.undo_list(plan.round)
             if undo:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from geomesh_p2p.dht.chunked import ChunksPending
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -21,6 +21,7 @@ from geomesh_p2p.trust.evidence import (
     publish_evidence,
     screen_evidence_key,
 )
+from geomesh_p2p.trust.verify_check import FAIL
 from geomesh_p2p.trust.verify_task import SCREEN, evidence_lifetime_s
 
 log = logging.getLogger("geomesh_p2p.trust.verify")
@@ -83,6 +84,23 @@ class EvidenceExchange:
                 out.contributions_total - out.contributions,
             )
         return out.evidence
+
+    def pending_accused(self, among: Iterable[str]) -> dict[str, int]:
+        """The peers of ``among`` that published hard evidence (outcome FAIL) accuses and whose accusation is not
+        settled here yet (read by :meth:`fetch`, its re-check or this node's own screen of it still to come), with
+        the number of distinct verifiers accusing each: only evidence of a kept round whose verifier and accused
+        were both its participants, never about this node, never of a peer excluded here already. The leader
+        names them in its plan (``RoundPlan.accused``, issue 28, session 47). Cheap: no computation, no read."""
+        want = set(among) - {self.me}
+        by: dict[str, set] = {}
+        for h, ev in self._pending_ev.items():
+            kept = self._kept.get(self._pending_round.get(h, int(ev.round)))
+            if ev.outcome != FAIL or ev.accused not in want or ev.accused in self.excluded or kept is None:
+                continue
+            took = set(kept.plan.participants())
+            if ev.accused in took and ev.verifier in took and ev.verifier != ev.accused:
+                by.setdefault(ev.accused, set()).add(ev.verifier)
+        return {p: len(v) for p, v in by.items()}
 
     async def fetch(self) -> int:
         """Queue the evidence published about the kept rounds that this node has not seen yet (assembled

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from geomesh_p2p.model.memory import release_freed_memory
+from geomesh_p2p.plan.schema import max_accused
 from geomesh_p2p.round.rules import verified_accountable
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import agreement, verify
@@ -449,6 +450,20 @@ class VerifiedWork:
         """Why this peer refuses ``plan`` for verified work's sake (an excluded peer that leads would plan
         itself back in): :meth:`geomesh_p2p.trust.verify.WorkVerifier.plan_problem`. None: no objection."""
         return self.verdicts().plan_problem(plan, me=self.state.me)
+
+    def accused(self, plan) -> list[str]:
+        """The participants ``plan`` (this peer's, as leader) names accused (``RoundPlan.accused``): those against
+        which this peer read published hard evidence it has not settled yet
+        (:meth:`~geomesh_p2p.trust.verify_fetch.EvidenceExchange.pending_accused`), most accusers first, at most
+        :func:`~geomesh_p2p.plan.schema.max_accused`; sorted PeerIDs, ``[]`` without a verifier. They lead nothing in
+        the next round (``round.planning.next_leaders``); this plan itself still names them (a verdict this peer does
+        not hold yet excludes nobody from its plans)."""
+        if self.verifier is None:
+            return []
+        ids = [p for p in plan.participants() if p not in (plan.leader, self.state.me)]
+        found = self.verifier.pending_accused(ids)
+        top = sorted(found, key=lambda p: (-found[p], p))[: max_accused(len(plan.participants()))]
+        return sorted(top)
 
     def members(self, members):
         """The planner's input without the peers that verified work excluded (their evidence re-checked
