@@ -146,14 +146,25 @@ def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
     assert f"round {last_round}:" not in swarm.text(victim), swarm.text(victim)[-2000:]
     forger = _peer_id(swarm, "a0")[:10]
     if forger_in:
-        # ... and nobody that trained it, its leader included, held the proof when the round began (a leader leaves
-        # a peer it excluded out of its plans; past round 0 + 2, a follower refuses a plan naming a peer excluded on a
-        # proof, TrustVerdicts.plan_problem). Each log is in time order.
+        # ... and nobody that trained it held the forger's exclusion when the round began: its leader none (a leader
+        # leaves every peer it excluded out of its plans), a follower no proof (past round 0 + 2 it refuses a plan
+        # naming a peer excluded on a proof, TrustVerdicts.plan_problem; an exclusion on its own verified work, which
+        # it may have logged first, does not refuse plans; nor a proof of round 1 in round 3). Each log is in time order.
+        leaders = {_peer_id(swarm, n)[:10] for n in rest} & {x["leader"] for x in last}
+        assert len(leaders) == len({x["leader"] for x in last}), ({x["leader"] for x in last}, victim)
         for n in rest:
+            if not any(x["round"] == last_round for x in rows[n]):
+                continue
             text = swarm.text(n)
-            gone = text.find(f"verified work: {forger} is excluded from the plans this peer makes")
-            if any(x["round"] == last_round for x in rows[n]):
-                assert gone < 0 or gone > text.find(f"round {last_round}:"), (n, text[-3000:])
+            held = [
+                m.start()
+                for m in re.finditer(rf"verified work: {forger} is excluded from the plans this peer makes: (.*)", text)
+                if _peer_id(swarm, n)[:10] in leaders
+                or (
+                    (k := re.match(r"owner \w+ proven \(round (\d+),", m.group(1))) and int(k.group(1)) + 2 < last_round
+                )
+            ]
+            assert not held or held[0] > text.find(f"round {last_round}:"), (n, text[-3000:])
 
     # the forger is excluded by every honest survivor, on a proof, and nobody else is excluded by anyone
     excluded = re.compile(r"verified work: (\S+) is excluded from the plans this peer makes: (.*)")
