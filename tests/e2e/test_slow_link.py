@@ -43,7 +43,7 @@ SMALL_100_OPT = pytest.param(
 
 #: Each scenario on the issue's small @ 100 Mbit/s (opt-in) and on tiny @ 10 Mbit/s (the same download-to-round ratio).
 BOTH_LINKS = pytest.mark.parametrize(
-    "_lab", [SMALL_100_OPT, TINY_10], ids=["small-100mbit", "tiny-10mbit"], indirect=True
+    "lab", [SMALL_100_OPT, TINY_10], ids=["small-100mbit", "tiny-10mbit"], indirect=True
 )
 
 
@@ -100,19 +100,16 @@ OK, WHY = _usable()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)
 
 
-@pytest.fixture(scope="module")
-def _lab(tmp_path_factory, request):
-    """The link and the swarm of one link parametrization, shared by this module's tests: the bootstrap and the two
-    donors start once (:func:`_start`: ~20 s of start-up and two rounds), each test adds its own joiners."""
+@pytest.fixture
+def lab(tmp_path, request):
     link = SlowLink(request.param[0])
     link.model = request.param[1]
-    link.boot = None
     try:
         link.setup()
     except RuntimeError as e:
         link.cleanup()
         pytest.skip(f"veth / tc tbf not usable: {e}")
-    sw = ProcSwarm(tmp_path_factory.mktemp("slow_link"))
+    sw = ProcSwarm(tmp_path)
     try:
         yield link, sw
     finally:
@@ -123,39 +120,15 @@ def _lab(tmp_path_factory, request):
         link.cleanup()
 
 
-@pytest.fixture
-def lab(_lab):
-    """(link, swarm) for one test; its joiners (names starting with "j") leave when it ends (Ctrl+C: each announces
-    it leaves, so the next test's joiner downloads from the two donors alone), and a donor left frozen is continued."""
-    link, sw = _lab
-    before = set(sw.procs)
-    try:
-        yield link, sw
-    finally:
-        for n, p in sw.procs.items():
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        mine = [n for n in sw.procs if n not in before and n.startswith("j") and sw.procs[n].poll() is None]
-        for n in mine:
-            sw.interrupt(n)
-        for n in mine:
-            try:
-                sw.procs[n].wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                sw.kill(n)
-
-
 def _start(link: SlowLink, sw: ProcSwarm) -> str:
-    """The bootstrap's address; the bootstrap and the two donors (a, b) are started by the module's first test, which
-    waits for their first 2 rounds. Port 0 on the veth's root side: the bootstrap binds a free port and prints
-    HOST:PORT, read back here."""
-    if link.boot is None:
-        sw.bootstrap("boot", host=link.root_ip)
-        link.boot = sw.address("boot")
-        for name in ("a", "b"):
-            sw.peer(name, "--host", link.root_ip, "--min-peers", "2", *link.model, bootstrap=link.boot)
-        sw.wait_for(lambda: len(sw.rows("a")) >= 2 and len(sw.rows("b")) >= 2, 150, "2 rounds of the donors")
-    return link.boot
+    # Port 0 on the veth's root side: the bootstrap binds a free port and prints HOST:PORT, read back here.
+    sw.bootstrap("boot", host=link.root_ip)
+    boot = sw.address("boot")
+    for name in ("a", "b"):
+        sw.peer(name, "--host", link.root_ip, "--min-peers", "2", *link.model, bootstrap=boot)
+    sw.wait_for(lambda: len(sw.rows("a")) >= 2 and len(sw.rows("b")) >= 2, 150, "2 rounds of the donors")
+    _joiner(link, sw, boot, "j")
+    return boot
 
 
 def _joiner(link: SlowLink, sw: ProcSwarm, boot: str, name: str) -> None:
@@ -196,7 +169,7 @@ def _count(text: str, pattern: str) -> list[re.Match]:
 @BOTH_LINKS
 def test_a_joiner_behind_a_slow_link_downloads_once_and_trains_within_3_rounds(lab):
     link, sw = lab
-    _joiner(link, sw, _start(link, sw), "j")
+    _start(link, sw)
     sw.wait_for(lambda: len(sw.rows("j")) >= 1, 180, "the joiner to train a round")
     text = sw.text("j")
     started = _count(text, r"downloading the state of round (\d+)")
@@ -228,18 +201,16 @@ _ROUND_MOVED = r"state piece \d+ from \S+ failed: .*(this node holds round|no lo
 def test_a_donor_frozen_during_the_download_costs_at_most_the_stall_limit(lab):
     link, sw = lab
     boot = _start(link, sw)
-    # its own joiner names ("jf", then "jf2", "jf3"): the donors may be the previous test's
-    _joiner(link, sw, boot, "jf")
     # The premise needs both donors in the joiner's download, and that download to be the one measured. A record
     # read while a donor seals its round can leave one donor (the vote then backs the other's state alone), or name
     # a round the other donor left before the first request (refused at once: that download fails and the retry
     # has one donor, CI at 115e0ac). Either way that joiner is stopped and a fresh one (a new identity) joins, at
     # most 3 times.
-    name, m, why = "jf", None, ""
+    name, m, why = "j", None, ""
     for attempt in range(3):
         if attempt:
             sw.kill(name)
-            name = f"jf{attempt + 1}"
+            name = f"j{attempt + 1}"
             _joiner(link, sw, boot, name)
         sw.wait_for(lambda: "downloading the state of round" in sw.text(name), 150, "the joiner's download")
         started = re.search(r"downloading the state of round \d+ \(\d+ bytes\) from (\d+) donor", sw.text(name))
