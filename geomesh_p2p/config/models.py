@@ -591,6 +591,15 @@ class NodeConfig(BaseModel):
     gather_wait_s: float = opt(
         4.0, "seconds the leader waits for the round's peers", group=TUNING_GROUP, gt=0, le=MAX_WAIT_S
     )
+    hold_leaving_s: float = opt(
+        40.0,
+        "how long a peer whose round ran without it (planned out, or stopped) retries its catch-up once every "
+        "participant of that round announced leaving (a finished peer lingers up to 30 s serving its last state), "
+        "seconds; then it ends not synced (exit 3) rather than run that round again alone",
+        group=TUNING_GROUP,
+        ge=0,
+        le=MAX_WAIT_S,
+    )
     sync_wait_cap_s: float = opt(
         30.0,
         "longest gather wait (seconds) for a peer that announces a state download in progress",

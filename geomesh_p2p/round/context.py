@@ -84,6 +84,7 @@ class DriverConfig:
     wait_peers_s: float = _node_default("wait_peers_s")
     gather_wait_s: float = _node_default("gather_wait_s")
     sync_wait_cap_s: float = _node_default("sync_wait_cap_s")  # longest gather wait for a syncing peer
+    hold_leaving_s: float = _node_default("hold_leaving_s")  # resync.hold_finished_round, once all left
     plan_timeout_s: float = _node_default("plan_timeout_s")
     full_view_peers: int = _node_default("full_view_peers")  # light followers: docs/round.md "Light followers"
     light_sample: int = _node_default("light_sample")

@@ -220,7 +220,8 @@ async def check_end(drv: RoundDriver) -> None:
 
 
 #: How long a peer holding a round that ran without it retries its catch-up once every participant seen past that
-#: round announced leaving (they serve their last state while they linger: ``node.report.FINAL_STATE_LINGER_S``)
+#: round announced leaving (they serve their last state while they linger: ``node.report.FINAL_STATE_LINGER_S``):
+#: ``--hold-leaving-s`` (the driver's ``cfg.hold_leaving_s``), this by default
 HOLD_LEAVING_S = 40.0
 
 
@@ -233,7 +234,7 @@ async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[s
     ones included), round ``r`` is taken: this peer announces that it syncs to round ``r + 1`` (finished peers wait
     for it: ``node.report.serve_final_state``) and retries the catch-up :data:`RESYNC_RETRY_PAUSE_S` apart until it
     adopts a later state. While a participant past ``r`` is live it retries as long as it takes; once all of them
-    announced leaving, for :data:`HOLD_LEAVING_S` more, then it ends the run not synced (:func:`end_run`, cause
+    announced leaving, for ``cfg.hold_leaving_s`` more (:data:`HOLD_LEAVING_S` by default), then it ends the run not synced (:func:`end_run`, cause
     ``"finished_without"``: exit 3, never "done"). When no participant is past round ``r`` (the round failed and is
     planned again) it returns at once: the round is open."""
     members = set(participants) - {drv.me}
@@ -250,7 +251,7 @@ async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[s
             all_leaving_since = None
         elif all_leaving_since is None:
             all_leaving_since = now
-        elif now - all_leaving_since >= HOLD_LEAVING_S:
+        elif now - all_leaving_since >= drv.cfg.hold_leaving_s:
             swarm_round = max(past_seen.values())
             why = (
                 f"the plan of round {r} ran without this peer; its {len(past_seen)} participant(s) seen past it "

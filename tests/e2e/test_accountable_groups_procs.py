@@ -60,11 +60,14 @@ def test_a_killed_leader_and_a_forging_owner_leave_the_honest_survivors_equal_an
     for attempt in range(TRIES):
         swarm = AttackSwarm(tmp_path / f"swarm{attempt}")
         swarm.dir.mkdir()
+        checked = False
         try:
-            if _forger_owned_a_slice_then_check(swarm):
-                return
+            checked = _forger_owned_a_slice_then_check(swarm)
         finally:
-            swarm.stop_all()
+            # an abandoned swarm is only stopped: SIGKILL at once, not a 16-peer Ctrl+C that finishes its exchange
+            swarm.stop_all(40.0 if checked else 0.0)
+        if checked:
+            return
     pytest.fail(f"the forger owned no slice in round 0 in {TRIES} fresh swarms")
 
 
@@ -128,14 +131,42 @@ def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
     # out for good has no row at all (before the device re-measurement of node/device_probe.py: the first peer,
     # its start-up profile taken while 15 peers started, trained 0 of 4 rounds)
     assert all(rows.values()), {n: [x["round"] for x in rs] for n, rs in rows.items()}
-    # the victim and the forger are planned by nobody in the last round; after a kill in round 2 the last round is
-    # the next one, whose plan may still name the victim (it may have pushed before the SIGKILL: no no-show yet)
-    last = [x for xs in after.values() for x in xs if x["round"] == ROUNDS - 1]
-    most = N - 2 if kill_round < ROUNDS - 2 else N - 1
-    assert last and all(x["peers"] <= most for x in last), (kill_round, [x["peers"] for x in last])
+    # the victim and the forger are planned by nobody in the last round, except the forger by a leader that had not
+    # read its proof yet: an exclusion takes effect through leaders as each reads the proof (TrustVerdicts), and a
+    # peer still syncing in round 0 never saw the forger's round-0 no-show either. The victim, killed mid-exchange,
+    # never announced a later round, so no gather after its kill holds it. This was a count (at most N - 2 peers):
+    # CI failed once with 15 after a kill in round 1, which can only be the forger so planned.
+    last_round = ROUNDS - 1
+    last = [x for xs in after.values() for x in xs if x["round"] == last_round]
+    assert last, sorted(digests)
+    forger_in = any(x["round"] == last_round for x in swarm.rows("a0")) or (
+        f"round {last_round}: grouped exchange" in swarm.text("a0")
+    )
+    assert all(x["peers"] <= N - 2 + forger_in for x in last), (kill_round, forger_in, [x["peers"] for x in last])
+    assert f"round {last_round}:" not in swarm.text(victim), swarm.text(victim)[-2000:]
+    forger = _peer_id(swarm, "a0")[:10]
+    if forger_in:
+        # ... and nobody that trained it held the forger's exclusion when the round began: its leader none (a leader
+        # leaves every peer it excluded out of its plans), a follower no proof (past round 0 + 2 it refuses a plan
+        # naming a peer excluded on a proof, TrustVerdicts.plan_problem; an exclusion on its own verified work, which
+        # it may have logged first, does not refuse plans; nor a proof of round 1 in round 3). Each log is in time order.
+        leaders = {_peer_id(swarm, n)[:10] for n in rest} & {x["leader"] for x in last}
+        assert len(leaders) == len({x["leader"] for x in last}), ({x["leader"] for x in last}, victim)
+        for n in rest:
+            if not any(x["round"] == last_round for x in rows[n]):
+                continue
+            text = swarm.text(n)
+            held = [
+                m.start()
+                for m in re.finditer(rf"verified work: {forger} is excluded from the plans this peer makes: (.*)", text)
+                if _peer_id(swarm, n)[:10] in leaders
+                or (
+                    (k := re.match(r"owner \w+ proven \(round (\d+),", m.group(1))) and int(k.group(1)) + 2 < last_round
+                )
+            ]
+            assert not held or held[0] > text.find(f"round {last_round}:"), (n, text[-3000:])
 
     # the forger is excluded by every honest survivor, on a proof, and nobody else is excluded by anyone
-    forger = _peer_id(swarm, "a0")[:10]
     excluded = re.compile(r"verified work: (\S+) is excluded from the plans this peer makes: (.*)")
     for n in rest:
         text = swarm.text(n)

@@ -23,6 +23,7 @@ from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanRefused
 from geomesh_p2p.plan.awb import plan_round
+from geomesh_p2p.round import resync
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.plan.schema import ContentRefusal, PlanConfig
 from geomesh_p2p.round import PlanStore, leader_order, obtain_plan
@@ -350,17 +351,21 @@ class _NoDonorPeer:
         self.round, self.syncing = self.held, False
 
 
-async def test_peers_planned_out_of_the_last_round_never_run_it_again_after_its_participants_left(monkeypatch):
+async def test_peers_planned_out_of_the_last_round_never_run_it_again_after_its_participants_left():
     """Session 27 (9 peers, ``--rounds 3``, a loaded machine): the three peers planned out of round 2 found no
     donor once the six others had finished it and left, ran a round 2 of their own and ended "done" on another
     digest. Now they end not synced (cause ``finished_without``, never "done") and train nothing."""
-    from geomesh_p2p.round import resync
     from tests.unit.test_round_driver import PEERS, RUN as DRIVER_RUN, FakePeer, _peers, _run_all
-
-    monkeypatch.setattr(resync, "HOLD_LEAVING_S", 0.0)  # the leavers are gone for good here: no linger to wait out
 
     class NoDonor(_NoDonorPeer, FakePeer):
         held = 0
+
+        def driver(self, **kw):
+            drv = super().driver(**kw)
+            drv.cfg.hold_leaving_s = (
+                0.0  # --hold-leaving-s 0: the leavers are gone for good here, no linger to wait out
+            )
+            return drv
 
     peers = _peers(4, cls=NoDonor)
     order = leader_order(DRIVER_RUN, 0, [p.me for p in peers])
@@ -391,7 +396,7 @@ class _HoldDriver:
         self.me, self.recs, self.adopt_at = me, recs, adopt_at
         self.stop, self.ended = asyncio.Event(), None
         self.state = SimpleNamespace(round=round, digest="d")
-        self.cfg = SimpleNamespace(rounds=round + 2, target_ppl=None)
+        self.cfg = SimpleNamespace(rounds=round + 2, target_ppl=None, hold_leaving_s=resync.HOLD_LEAVING_S)
         self.now = 100.0
         self.clock = SimpleNamespace(monotonic=lambda: self.now)
         self.membership = SimpleNamespace(peers=self._peers, announce=self._announce)
