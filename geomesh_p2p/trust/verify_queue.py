@@ -260,6 +260,9 @@ class CheckQueue:
         self._done: deque[tuple[CheckJob, Any, Optional[BaseException]]] = deque()
         self._thread: Optional[threading.Thread] = None
         self.counts = CheckCounts()
+        #: called (no arguments, in the worker thread, outside the queue's lock) after each job that ended is added to
+        #: :meth:`results`: the event loop applies its verdict then, not at the next round's tending (session 47)
+        self.on_done: Optional[Callable[[], None]] = None
 
     # -- the caller's side ----------------------------------------------------------------------------
     def submit(self, job: CheckJob) -> Optional[CheckJob]:
@@ -450,3 +453,9 @@ class CheckQueue:
                         self.counts.late += 1
                 self._done.append((job, result, error))
                 self._cond.notify_all()
+            hook = self.on_done
+            if hook is not None:
+                try:
+                    hook()
+                except Exception as e:  # noqa: BLE001  the result stays for results(): the next tending applies it
+                    log.debug("verified work: the ended job's hook failed: %r", e)
