@@ -626,7 +626,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
                 elif job.kind == "screen":
                     self._screen_jobs.discard(job.key)
                 continue
-            if job.kind in ("check", "screen"):
+            if job.kind in ("check", "screen", "probe"):  # a probe (ordering the round's screens) returns None
                 if job.kind == "screen":
                     self._screen_jobs.discard(job.key)
                 ev = self._conclude(result) if result is not None else None

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.model.turns import Turns
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed", "FIRST", "SCREEN_PASSES_PER_STEP"]
 
-#: Job kinds the worker runs before any other waiting job (screening checks and re-checks of screening evidence).
-FIRST = frozenset({"screen", "rescreen"})
+#: Job kinds the worker runs before any other waiting job (screening checks, re-checks of screening evidence, and the
+#: probe that orders a round's screens: ``verify_screen``, session 47).
+FIRST = frozenset({"screen", "rescreen", "probe"})
 
 #: Check passes a :data:`FIRST`-lane job may run in a row before a waiting inner step on a CPU peer (others: 1, the
 #: strict alternation of :class:`~geomesh_p2p.model.turns.Turns`). Session 42: a screen's worker got 0.12-0.19 CPU-s
@@ -329,6 +330,20 @@ class CheckQueue:
             self._first.remove(job)
             self._first.appendleft(job)
             return True
+
+    def reorder(self, keys: Sequence[Any]) -> list[Any]:
+        """Put the waiting :data:`FIRST`-lane jobs named by ``keys`` in the order of ``keys``, in the places those jobs
+        hold now (every other job stays where it is). Returns the keys of the lane in its new order (session 47: a
+        round's screens, lowest probe t first)."""
+        with self._cond:
+            want = {k for k in keys}
+            slots = [i for i, j in enumerate(self._first) if j.key in want]
+            named = {j.key: j for j in self._first if j.key in want}
+            lane = list(self._first)
+            for i, k in zip(slots, [k for k in keys if k in named]):
+                lane[i] = named[k]
+            self._first = deque(lane)
+            return [j.key for j in self._first]
 
     def results(self) -> list[tuple[CheckJob, Any, Optional[BaseException]]]:
         """The jobs that ended since the last call, oldest first: ``(job, its result, the exception it raised
