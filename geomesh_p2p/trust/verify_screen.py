@@ -248,6 +248,13 @@ class Screening:
         def run(pace: Pacer) -> None:
             ts = self.probe_ts(preps, pace)
             order = sorted(range(len(preps)), key=lambda i: ts.get(preps[i].task.accused, math.inf))
+            log.info(  # the probe's t is the same at every screener (the same rows): a misorder is everyone's
+                "round %d: screens ordered by their probes: %s",
+                preps[0].round,
+                ", ".join(
+                    f"{preps[i].task.accused[:10]} t {ts.get(preps[i].task.accused, math.inf):.2f}" for i in order
+                ),
+            )
             self.queue.reorder([(preps[i].round, preps[i].task.accused) for i in order])
 
         return run
