@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Iterator
 
 __all__ = ["Turns"]
@@ -39,6 +40,9 @@ class Turns:
         self._holding = 0  # hold() blocks under way (the round's outer step and commit): no pass starts
         #: passes that had to wait for a step to end (diagnostics, tests)
         self.check_waited = 0
+        #: wall seconds check passes waited for the turn (a step, a hold, the steps' share; session 47: where a
+        #: screen's latency goes, the queue's per-job log line)
+        self.check_wait_s = 0.0
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -82,12 +86,14 @@ class Turns:
             self._check_waits = True
             if self._stepping:
                 self.check_waited += 1
+            t0 = time.monotonic()
             while (
                 self._stepping
                 or self._holding
                 or (self._step_waits and self._last == "check" and self._run >= self.passes_per_step)
             ):
                 self._cv.wait()
+            self.check_wait_s += time.monotonic() - t0
             self._check_waits = False
             self._checking = True
             self._last = "check"

@@ -33,7 +33,7 @@ import torch
 
 from geomesh_p2p.trust.check_model import Piece, is_hollow, load_for_check, sub_flat_, subtracted
 
-__all__ = ["GainStats", "row_losses", "gain_rows", "gain_of", "gain_stats", "welch_t"]
+__all__ = ["GainStats", "row_losses", "gain_rows", "cached_gain_rows", "gain_of", "gain_stats", "welch_t"]
 
 
 @dataclass(frozen=True)
@@ -248,3 +248,48 @@ def gain_stats(
     )  # fmt: skip
     k = len(assigned)
     return gain_of(rows[:k], rows[k:], passes=passes)
+
+
+def cached_gain_rows(
+    model,
+    dataset,
+    theta: torch.Tensor,
+    contribution: Union[torch.Tensor, Iterable[Piece]],
+    assigned: Sequence[tuple[str, int]],
+    controls: Sequence[tuple[str, int]],
+    *,
+    row_key: tuple,
+    cache: Optional[dict],
+    seed: int,
+    round: int,
+    batch_size: int,
+    seq_len: int,
+    deadline: Optional[float] = None,
+    pace: Optional[Callable[[], None]] = None,
+) -> tuple[list[list[float]], int]:
+    """:func:`gain_rows`, each batch's row gains kept in ``cache`` under ``("rows", *row_key, stream, index, batch,
+    seq_len, seed, round)`` (``row_key``: what names the contribution, e.g. its sender and parts), so a test measured
+    in parts (session 47: a screen's probe, then its half) computes each batch once: the same rows as one call (each
+    batch is its own forward pass, :func:`row_losses`); the passes returned are those run now. ``cache`` None: no
+    keeping. Raises what :func:`gain_rows` raises."""
+    kw: dict[str, Any] = dict(
+        seed=seed, round=round, batch_size=batch_size, seq_len=seq_len, deadline=deadline, pace=pace, cache=cache
+    )
+    if cache is None:
+        return gain_rows(model, dataset, theta, contribution, assigned, controls, **kw)
+    streams = list(assigned) + list(controls)
+    keys = [("rows", *row_key, s, int(i), int(batch_size), int(seq_len), int(seed), int(round)) for s, i in streams]
+    known = [cache.get(k) for k in keys]
+    n = len(assigned)
+    a_todo = [s for s, got in zip(assigned, known[:n]) if got is None]
+    c_todo = [s for s, got in zip(controls, known[n:]) if got is None]
+    passes = 0
+    if a_todo or c_todo:
+        fresh, passes = gain_rows(model, dataset, theta, contribution, a_todo, c_todo, **kw)
+        it = iter(fresh)
+        for i, got in enumerate(known):
+            if got is None:
+                row = next(it)
+                known[i] = row
+                cache[keys[i]] = list(row)
+    return [list(r) for r in known if r is not None], passes

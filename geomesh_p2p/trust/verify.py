@@ -1,12 +1,11 @@
 """Verified work (issue 11; DESIGN.md "Untrusted volunteers", item 3): peers re-compute a sampled
 contributor's batches and check that its signed contribution carries their trace.
 
-Batches are a pure function ``dataset.sample_batch(seed, peer, round, step, batch, seq_len)``, so any
-peer can recompute what a contributor trained on. What it cannot recompute is the contributor's
-trajectory: the inner AdamW state persists across rounds on each peer (DiLoCo), so the first inner
-step of a round already moves mostly along the peer's old momentum, and no other peer holds that
-momentum. Re-running "the first k inner steps" and comparing signs (the first idea) was therefore
-measured and replaced by a test that needs no optimizer state:
+Batches are a pure function ``dataset.sample_batch(seed, peer, round, step, batch, seq_len)``, so any peer can
+recompute what a contributor trained on. What it cannot recompute is the contributor's trajectory: the inner AdamW
+state persists across rounds on each peer (DiLoCo), so the first inner step of a round already moves mostly along the
+peer's old momentum, and no other peer holds that momentum. Re-running "the first k inner steps" and comparing signs
+(the first idea) was therefore measured and replaced by a test that needs no optimizer state:
 
 * **What is recomputed.** The gradient, at the round's start weights, of ``k`` of the contributor's
   batches (steps sampled at random from the steps its token claim implies), and of ``m`` *control*
@@ -73,65 +72,61 @@ The trace tests apply to 5..64 steps (k >= steps/4, the measured range); above 6
 and plain tests run (with k = 4); under 5 steps nothing is checked. Zero and out-of-bound scales are
 decided before any computation.
 
-Cost and coverage. A check costs ``k + m`` forward/backward passes of the contributor's batch (9 at
-H = 20: 45% of one contributor-round). Each peer checks with probability ``p = min(1, share x
-(H_v x B_v) / ((k + m) x B_t))`` per round (``share`` = :attr:`VerifyConfig.share`, 0.05 by default since
-session 19, 0.1 before: the other half went to sampled screens of established contributors,
-:func:`~.verify_task.sampled_candidates`), so it draws at most ``share`` of its own compute on average; each
-contributor is then checked by ~``share x H / (k + m)`` peers per round (0.11 per peer at H = 20). A drawn check is never skipped for time (issue 28;
-the first version skipped those that would not end before the next round's start, 21 of 28 in a clean
-4-peer run): it queues in a background worker (:mod:`.verify_queue`) paced to ``duty`` (0.15) of the wall
-time, in the background of the next rounds' inner steps, and its verdict is applied when it ends
-(:meth:`WorkVerifier.tend`), for the round it checked; the round's start weights stay kept until then. Its
-latency is ``(k + m) x B_t / (H_v x B_v) / duty`` rounds: ~1.3 rounds at H = 100, 3 at H = 20, ~11 at H = 5.
-Caught: zeros (free riders that send nothing), flipped, noise, scaled above the bound (~2x honest
-magnitudes right after warm-up, 3x later) -- hard, excluded after one confirmed check; stale updates (hard
-in ~50%, marginal in 84-100% of the checks); updates computed on other data or copied from another peer
-(marginal in 6-26% of the checks: excluded after two confirmed marginal checks in different rounds,
-so only a persistent one, after many rounds). Not caught: a peer that trains a fair share of its
-batches honestly and fakes the rest (at most in proportion to what it skips, "first ... only" above),
-scaling within the bound (the aggregation's clip is the defence there), anything in a round where
-nobody checks it, a contribution of a peer planned fewer than ``min_steps`` steps (never drawn: the thresholds
+Cost and coverage. A check costs ``k + m`` forward/backward passes of the contributor's batch (9 at H = 20: 45% of one
+contributor-round). Each peer checks with probability ``p = min(1, share x (H_v x B_v) / ((k + m) x B_t))`` per round
+(``share`` = :attr:`VerifyConfig.share`, 0.05 by default since session 19, 0.1 before: the other half went to sampled
+screens of established contributors, :func:`~.verify_task.sampled_candidates`), so it draws at most ``share`` of its
+own compute on average; each contributor is then checked by ~``share x H / (k + m)`` peers per round (0.11 per peer at
+H = 20). A drawn check is never skipped for time (issue 28; the first version skipped those that would not end before
+the next round's start, 21 of 28 in a clean 4-peer run): it queues in a background worker (:mod:`.verify_queue`) paced
+to ``duty`` (0.15) of the wall time, in the background of the next rounds' inner steps, and its verdict is applied
+when it ends (:meth:`WorkVerifier.tend`), for the round it checked; the round's start weights stay kept until then.
+Its latency is ``(k + m) x B_t / (H_v x B_v) / duty`` rounds: ~1.3 rounds at H = 100, 3 at H = 20, ~11 at H = 5.
+Caught: zeros (free riders that send nothing), flipped, noise, scaled above the bound (~2x honest magnitudes right
+after warm-up, 3x later) -- hard, excluded after one confirmed check; stale updates (hard in ~50%, marginal in 84-100%
+of the checks); updates computed on other data or copied from another peer (marginal in 6-26% of the checks: excluded
+after two confirmed marginal checks in different rounds, so only a persistent one, after many rounds). Not caught: a
+peer that trains a fair share of its batches honestly and fakes the rest (at most in proportion to what it skips,
+"first ... only" above), scaling within the bound (the aggregation's clip is the defence there), anything in a round
+where nobody checks it, a contribution of a peer planned fewer than ``min_steps`` steps (never drawn: the thresholds
 are not measured there; one planned more that claims fewer counts 0 tokens since session 32:
-:func:`geomesh_p2p.round.rules.spec.screen_token_floor`; session 46: the gain test's 1,792 tokens from round 2
-on where planned, ``verify_task.claim_floor_steps``, and no draw takes a claim counting 0), and everything in reencode mode (nobody but the owner sees a contribution). In
-accountable mode the draws read the part results' commitments and a check fetches the accused's contributions to
-at most 2 of its parts, checked against them (:mod:`.verify_commit`, session 19). A late verdict can be
-re-checked only by peers that still keep its round (``recheck_rounds`` = 12, 3 before session 16, when at small
-H it usually stayed a verdict held alone).
+:func:`geomesh_p2p.round.rules.spec.screen_token_floor`; session 46: the gain test's 1,792 tokens from round 2 on
+where planned, ``verify_task.claim_floor_steps``, and no draw takes a claim counting 0), and everything in reencode
+mode (nobody but the owner sees a contribution). In accountable mode the draws read the part results' commitments and
+a check fetches the accused's contributions to at most 2 of its parts, checked against them (:mod:`.verify_commit`,
+session 19). A late verdict can be re-checked only by peers that still keep its round (``recheck_rounds`` = 12, 3
+before session 16, when at small H it usually stayed a verdict held alone).
 
-Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256
-of that signature decides whether it checks this round, whom, which steps and elements. Nobody
-else can predict it (no contributor knows in advance whether or where it is checked), and anyone can
-check it afterwards with ``v``'s public key. The seed is fixed before the contributions are signed (the
-start digest), but only ``v`` can compute it, so an attacker can neither predict nor dodge it: which
-contributions are eligible depends only on what every participant received. (A dishonest verifier can make
-other valid signatures and so pick whom it accuses; that gains it nothing, see below.)
+Who checks whom. Verifier ``v`` signs ``(run, round, start digest)`` with its Ed25519 key; the SHA-256 of that
+signature decides whether it checks this round, whom, which steps and elements. Nobody else can predict it (no
+contributor knows in advance whether or where it is checked), and anyone can check it afterwards with ``v``'s public
+key. The seed is fixed before the contributions are signed (the start digest), but only ``v`` can compute it, so an
+attacker can neither predict nor dodge it: which contributions are eligible depends only on what every participant
+received. (A dishonest verifier can make other valid signatures and so pick whom it accuses; that gains it nothing,
+see below.)
 
 Evidence and exclusion. A failing check is signed by the verifier and stored in the DHT under
-``<run>/evidence/<round>``, subkey = the verifier's PeerID (only it can write there): round, accused,
-the selection signature, the task, the values measured and the SHA-256 of each of the accused's
-packets (chunked past one DHT value, :mod:`.evidence`); beside it (:func:`contributions_key`, one
-value per part that fits a DHT value) the accused's own signed contributions, which need no other
-signature. Every peer that holds the round's start
-weights and contributions (the participants, for :attr:`VerifyConfig.recheck_rounds` rounds) re-checks
-it by re-running the computation with its own contribution as the basis, and excludes the accused from
-the plans it makes when its own measurement fails too (one hard failure, or marginal failures in two
-different rounds). Re-checking, not counting accusers, because a lying verifier must gain nothing: a
-verifier may only accuse the peer its own signature drew (so at most one accusation per verifier and
-round); its claim is recomputed, never trusted; a hard accusation that the re-check passes by a wide
-margin excludes the accuser. "At least two accusers" would let two Sybils exclude any honest peer.
-Followers also refuse a plan led by a peer they excluded, or naming one excluded more than two rounds
-earlier (:meth:`WorkVerifier.plan_problem`): an excluded peer that leads would plan itself back in. Not
-for a verdict a peer holds alone (only its own checks failed the accused, :attr:`WorkVerifier.lone`): the
-statistic depends on the checker's basis, so the others may all pass what it failed, and refusing their
-plans split it off the swarm (issue 28). It keeps following, leaves the accused out of the plans it leads,
-and the exclusion counts in full once another verifier's evidence, re-checked here, fails the accused too.
-Exclusions are saved with the checkpoint and restored by ``--resume`` (:class:`Verdicts`); evidence expires
-after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's weights to be re-checked.
+``<run>/evidence/<round>``, subkey = the verifier's PeerID (only it can write there): round, accused, the selection
+signature, the task, the values measured and the SHA-256 of each of the accused's packets (chunked past one DHT value,
+:mod:`.evidence`); beside it (:func:`contributions_key`, one value per part that fits a DHT value) the accused's own
+signed contributions, which need no other signature. Every peer that holds the round's start weights and contributions
+(the participants, for :attr:`VerifyConfig.recheck_rounds` rounds) re-checks it by re-running the computation with its
+own contribution as the basis, and excludes the accused from the plans it makes when its own measurement fails too
+(one hard failure, or marginal failures in two different rounds). Re-checking, not counting accusers, because a lying
+verifier must gain nothing: a verifier may only accuse the peer its own signature drew (so at most one accusation per
+verifier and round); its claim is recomputed, never trusted; a hard accusation that the re-check passes by a wide
+margin excludes the accuser. "At least two accusers" would let two Sybils exclude any honest peer. Followers also
+refuse a plan led by a peer they excluded, or naming one excluded more than two rounds earlier
+(:meth:`WorkVerifier.plan_problem`): an excluded peer that leads would plan itself back in. Not for a verdict a peer
+holds alone (only its own checks failed the accused, :attr:`WorkVerifier.lone`): the statistic depends on the
+checker's basis, so the others may all pass what it failed, and refusing their plans split it off the swarm (issue
+28). It keeps following, leaves the accused out of the plans it leads, and the exclusion counts in full once another
+verifier's evidence, re-checked here, fails the accused too. Exclusions are saved with the checkpoint and restored by
+``--resume`` (:class:`Verdicts`); evidence expires after :attr:`VerifyConfig.evidence_ttl_s` and needs the round's
+weights to be re-checked.
 
-Where: what a check draws (:mod:`.verify_task`), the check itself (:mod:`.verify_check`), the evidence
-a failed check publishes (:mod:`.evidence`); here, the node's side (:class:`WorkVerifier`).
+Where: what a check draws (:mod:`.verify_task`), the check itself (:mod:`.verify_check`), the evidence a failed check
+publishes (:mod:`.evidence`); here, the node's side (:class:`WorkVerifier`).
 """
 
 from __future__ import annotations
@@ -610,12 +605,9 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
         c = self.queue.snapshot()
         return {**c.as_dict(), "drawn": c.by_kind.get("check", 0), "screened": c.by_kind.get("screen", 0)}
 
-    async def tend(self, round: int, *, micro_batch: Optional[int] = None) -> list[Evidence]:
-        """The event loop's side of the background checks, once per round (``round``: the round just kept):
-        apply the checks and re-checks that ended (verdicts here, evidence published), read the evidence
-        published about the kept rounds and queue up to ``max_rechecks`` re-checks of it. Returns the
-        evidence of this node's failed checks published now."""
-        self.now_round = max(self.now_round, int(round))
+    async def apply_ended(self) -> list[Evidence]:
+        """Apply the checks and re-checks that ended (verdicts, evidence published): at :meth:`tend`, and when a job ends
+        (session 47: the queue's ``on_done``, so a verdict is held before the next plan). Returns the evidence published."""
         out = []
         for job, result, error in self.queue.results():
             if error is not None:  # one record that got past fetch, say: dropped, never re-queued
@@ -623,7 +615,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
                     job.key,
                     logging.WARNING,
                     "round %d: verified work (%s of round %d) failed: %r",
-                    round,
+                    self.now_round,
                     job.kind,
                     job.round,
                     error,
@@ -634,7 +626,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
                 elif job.kind == "screen":
                     self._screen_jobs.discard(job.key)
                 continue
-            if job.kind in ("check", "screen"):
+            if job.kind in ("check", "screen", "probe"):  # a probe (ordering the round's screens) returns None
                 if job.kind == "screen":
                     self._screen_jobs.discard(job.key)
                 ev = self._conclude(result) if result is not None else None
@@ -646,6 +638,14 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
                 if result == "late":
                     continue
                 self._forget(job.key)
+        return out
+
+    async def tend(self, round: int, *, micro_batch: Optional[int] = None) -> list[Evidence]:
+        """The event loop's side of the background checks, once per round (``round``: the round just kept):
+        :meth:`apply_ended`, then read the evidence published about the kept rounds and queue up to ``max_rechecks``
+        re-checks of it. Returns the evidence of this node's failed checks published now."""
+        self.now_round = max(self.now_round, int(round))
+        out = await self.apply_ended()
         await self.fetch()
         n = 0
         for h, data in list(self._pending.items()):

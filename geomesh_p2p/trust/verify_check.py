@@ -21,7 +21,7 @@ from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.trust.check_model import abs_max, is_hollow, load_for_check, release_
-from geomesh_p2p.trust.gain import GainStats, gain_rows, gain_stats
+from geomesh_p2p.trust.gain import GainStats, cached_gain_rows, gain_stats
 from geomesh_p2p.trust.gain_stages import RowsFn, can_stage, staged_gain
 from geomesh_p2p.trust.verify_commit import Committed
 from geomesh_p2p.trust.verify_task import (
@@ -698,10 +698,10 @@ def _rows_of(cfg, model, dataset, theta, *, seed, deadline, pace, cache) -> Rows
     def rows(task: VerifyTask, mine, steps, controls) -> tuple[list[list[float]], int]:
         pieces = [(s, _sign_packet(mine[j])) for j, (s, _) in zip(task.parts, task.ranges)]
         try:
-            return gain_rows(
+            return cached_gain_rows(
                 model, dataset, theta, pieces, [(task.accused, j) for j in steps],
                 [(CONTROL_STREAM, i) for i in controls], seed=seed, round=task.round, batch_size=task.batch_size,
-                seq_len=task.seq_len, deadline=deadline, pace=pace, cache=cache,
+                seq_len=task.seq_len, deadline=deadline, pace=pace, cache=cache, row_key=(task.accused, task.parts),
             )  # fmt: skip
         except TimeoutError as e:
             raise VerifyTimeout(str(e)) from None

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.model.turns import Turns
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Pacer", "CheckJob", "CheckQueue", "CheckCounts", "QueueClosed", "FIRST", "SCREEN_PASSES_PER_STEP"]
 
-#: Job kinds the worker runs before any other waiting job (screening checks and re-checks of screening evidence).
-FIRST = frozenset({"screen", "rescreen"})
+#: Job kinds the worker runs before any other waiting job (screening checks, re-checks of screening evidence, and the
+#: probe that orders a round's screens: ``verify_screen``, session 47).
+FIRST = frozenset({"screen", "rescreen", "probe"})
 
 #: Check passes a :data:`FIRST`-lane job may run in a row before a waiting inner step on a CPU peer (others: 1, the
 #: strict alternation of :class:`~geomesh_p2p.model.turns.Turns`). Session 42: a screen's worker got 0.12-0.19 CPU-s
@@ -106,6 +107,9 @@ class Pacer:
         #: seconds computed and seconds slept so far
         self.busy_s = 0.0
         self.slept_s = 0.0
+        #: passes paced so far, and their wall seconds (a pass's compute plus its waits for a core; session 47)
+        self.passes = 0
+        self.pass_wall_s = 0.0
 
     def set_window(self, window_s: float) -> None:
         """Hold the duty over ``window_s`` seconds from now on (0: pace every pass)."""
@@ -145,6 +149,8 @@ class Pacer:
             # reuse: returned to the OS before the steps go on, or the two arenas' peaks add up anyway (session 39)
             release_freed_memory()
         busy = max(0.0, self.clock() - self._since)
+        self.passes += 1
+        self.pass_wall_s += busy
         if self.cpu_clock is not None:
             busy = min(busy, max(0.0, self.cpu_clock() - self._cpu_since) * self.cpu_threads)
         self.busy_s += busy
@@ -179,6 +185,8 @@ class CheckJob:
     run: Callable[["Pacer"], Any]
     key: Any = None
     due: Optional[float] = None
+    #: monotonic seconds when it was queued (set by :meth:`CheckQueue.submit`; the per-job log line's wait)
+    queued_at: float = 0.0
 
 
 @dataclass
@@ -253,6 +261,9 @@ class CheckQueue:
         self._done: deque[tuple[CheckJob, Any, Optional[BaseException]]] = deque()
         self._thread: Optional[threading.Thread] = None
         self.counts = CheckCounts()
+        #: called (no arguments, in the worker thread, outside the queue's lock) after each job that ended is added to
+        #: :meth:`results`: the event loop applies its verdict then, not at the next round's tending (session 47)
+        self.on_done: Optional[Callable[[], None]] = None
 
     # -- the caller's side ----------------------------------------------------------------------------
     def submit(self, job: CheckJob) -> Optional[CheckJob]:
@@ -261,6 +272,7 @@ class CheckQueue:
 
         Raises RuntimeError after :meth:`close`."""
         dropped = None
+        job.queued_at = time.monotonic()
         with self._cond:
             if self._stop.is_set():
                 raise RuntimeError("the verified-work queue is closed")
@@ -319,6 +331,20 @@ class CheckQueue:
             self._first.appendleft(job)
             return True
 
+    def reorder(self, keys: Sequence[Any]) -> list[Any]:
+        """Put the waiting :data:`FIRST`-lane jobs named by ``keys`` in the order of ``keys``, in the places those jobs
+        hold now (every other job stays where it is). Returns the keys of the lane in its new order (session 47: a
+        round's screens, lowest probe t first)."""
+        with self._cond:
+            want = {k for k in keys}
+            slots = [i for i, j in enumerate(self._first) if j.key in want]
+            named = {j.key: j for j in self._first if j.key in want}
+            lane = list(self._first)
+            for i, k in zip(slots, [k for k in keys if k in named]):
+                lane[i] = named[k]
+            self._first = deque(lane)
+            return [j.key for j in self._first]
+
     def results(self) -> list[tuple[CheckJob, Any, Optional[BaseException]]]:
         """The jobs that ended since the last call, oldest first: ``(job, its result, the exception it raised
         or None)``."""
@@ -367,6 +393,39 @@ class CheckQueue:
             t.join(timeout)
 
     # -- the worker -----------------------------------------------------------------------------------
+    def _timings(self, turns: Optional[Turns]) -> tuple[float, float, float, float, float, int]:
+        """(monotonic now, busy, slept, pass wall, turn wait seconds, passes) of the pacer and the turns."""
+        p = self.pacer
+        return (
+            time.monotonic(),
+            float(getattr(p, "busy_s", 0.0)),
+            float(getattr(p, "slept_s", 0.0)),
+            float(getattr(p, "pass_wall_s", 0.0)),
+            float(turns.check_wait_s) if turns is not None else 0.0,
+            int(getattr(p, "passes", 0)),
+        )
+
+    @staticmethod
+    def _log_timings(job: CheckJob, a: tuple, b: tuple) -> None:
+        """One line per job: where its latency went (session 47: the waits in the queue, for the turn and for a core,
+        the pacing, and the job's own compute), from the :meth:`_timings` before it started and after it ended."""
+        t0, busy0, slept0, wall0, turn0, n0 = a
+        t1, busy1, slept1, wall1, turn1, n1 = b
+        log.info(
+            "verified work: %s of round %d (%s) ran %d passes in %.1f s after %.1f s queued: compute %.2f s, "
+            "pass wall %.1f s, waited for the turn %.1f s, paced %.1f s",
+            job.kind,
+            job.round,
+            str(job.key[1] if isinstance(job.key, tuple) and len(job.key) > 1 else job.key)[:10],
+            n1 - n0,
+            t1 - t0,
+            max(0.0, t0 - job.queued_at) if job.queued_at else 0.0,
+            busy1 - busy0,
+            wall1 - wall0,
+            turn1 - turn0,
+            slept1 - slept0,
+        )
+
     def _work(self) -> None:
         while True:
             with self._cond:
@@ -379,6 +438,7 @@ class CheckQueue:
             turns = getattr(self.pacer, "turns", None)
             if turns is not None:
                 turns.passes_per_step = SCREEN_PASSES_PER_STEP if job.kind in FIRST else 1
+            before = self._timings(turns)
             self.pacer.start()
             try:
                 result = job.run(self.pacer)
@@ -394,6 +454,7 @@ class CheckQueue:
                 self.pacer(last=True)  # the rest of the job's compute is paced too (and the turn given back)
             except QueueClosed:
                 pass
+            self._log_timings(job, before, self._timings(turns))
             with self._cond:
                 self._running = None
                 if self._stop.is_set():  # closed while it ran: nothing reported
@@ -407,3 +468,9 @@ class CheckQueue:
                         self.counts.late += 1
                 self._done.append((job, result, error))
                 self._cond.notify_all()
+            hook = self.on_done
+            if hook is not None:
+                try:
+                    hook()
+                except Exception as e:  # noqa: BLE001  the result stays for results(): the next tending applies it
+                    log.debug("verified work: the ended job's hook failed: %r", e)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -43,18 +44,21 @@ import torch
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.trust.check_model import release_
 from geomesh_p2p.trust.evidence import MAX_VALUE_BYTES, Evidence
+from geomesh_p2p.trust.gain import welch_t
+from geomesh_p2p.trust.gain_stages import can_stage
 from geomesh_p2p.trust.verify_check import (
     FAIL,
     PASS,
     Verdict,
     VerifyTimeout,
     WorkStats,
+    _rows_of,
     packet_digest,
     screen_contribution,
 )
 from geomesh_p2p.trust.verify_commit import Committed, commitment_seed, materialize, narrow
 from geomesh_p2p.trust.verify_queue import CheckJob, Pacer
-from geomesh_p2p.trust.verify_task import VerifyTask, derive_screen, sampled_candidates, screen_seed
+from geomesh_p2p.trust.verify_task import VerifyTask, derive_screen, gain_order, sampled_candidates, screen_seed
 
 log = logging.getLogger("geomesh_p2p.trust.verify")
 
@@ -188,8 +192,9 @@ class Screening:
         """Queue this node's screening checks of kept round ``round`` (every newcomer it is a screener of) in the
         background worker's first lane, in an order drawn from its selection signature (nobody else can tell
         which newcomer it screens first), with the accused's signed contributions taken now from
-        ``signed_of(part, sender)``. Blocking (hashes the round's contributions): off the event loop. Returns the
-        number queued."""
+        ``signed_of(part, sender)``. Two or more staged screens are preceded by their probe, which reorders them
+        (:meth:`probe_ts`, session 47). Blocking (hashes the round's contributions): off the event loop. Returns the
+        number of screens queued."""
         kept = self._kept.get(int(round))
         if kept is None:
             return 0
@@ -214,7 +219,7 @@ class Screening:
                 tasks.append(narrow(t) if kept.committed is not None else t)
         sel = self.selection(round, kept.plan.start_digest)
         tasks.sort(key=lambda t: hashlib.sha256(sel + t.accused.encode()).digest())
-        n = 0
+        preps = []
         for task in tasks:
             if any(isinstance(packets.get(task.accused, {}).get(j), Committed) for j in task.parts):
                 log.info(  # accountable mode: its contribution was not fetched (refused, withheld): nothing to run
@@ -226,12 +231,72 @@ class Screening:
                 b = signed_of(j, task.accused) if signed_of is not None else None
                 if b and len(b) <= MAX_VALUE_BYTES:
                     signed[j] = b
-            prep = Prepared(int(round), kept, task, signed)
-            key = (int(round), task.accused)
+            preps.append(Prepared(int(round), kept, task, signed))
+        if len(preps) > 1 and self.cfg.gain_staged:  # the probe orders them, lowest t first (session 47)
+            self.queue.submit(CheckJob(int(round), "probe", self._probe_job(preps), key=("probe", int(round)), due=due))
+        for prep in preps:
+            key = (int(round), prep.task.accused)
             self._screen_jobs.add(key)
             self.queue.submit(CheckJob(int(round), "screen", self._screen_job(prep), key=key, due=due))
-            n += 1
-        return n
+        return len(preps)
+
+    def _probe_job(self, preps: list[Prepared]) -> Callable[[Pacer], None]:
+        """The background job that orders a round's screens (queued before them; :meth:`probe_ts`, then
+        :meth:`~geomesh_p2p.trust.verify_queue.CheckQueue.reorder`: lowest probe t first, the unmeasured last in
+        their drawn order)."""
+
+        def run(pace: Pacer) -> None:
+            ts = self.probe_ts(preps, pace)
+            order = sorted(range(len(preps)), key=lambda i: ts.get(preps[i].task.accused, math.inf))
+            log.info(  # the probe's t is the same at every screener (the same rows): a misorder is everyone's
+                "round %d: screens ordered by their probes: %s",
+                preps[0].round,
+                ", ".join(
+                    f"{preps[i].task.accused[:10]} t {ts.get(preps[i].task.accused, math.inf):.2f}" for i in order
+                ),
+            )
+            self.queue.reorder([(preps[i].round, preps[i].task.accused) for i in order])
+
+        return run
+
+    def probe_ts(self, preps: list[Prepared], pace: Optional[Pacer] = None) -> dict[str, float]:
+        """Session 47: a round's screens ran in an order drawn from this node's selection signature, so the poisoner's
+        waited behind 0-2 honest screens (each ~1-3 s of a loaded 2-core box, a round or more of its verdict). Each
+        staged screen's **probe** is the first batch of its drawn order against the first 2 controls: 2 + 2 forward
+        passes (2 more for the round's first controls), rows its first stage then reuses from the round's cache (the
+        same rows, so the same statistic and verdict to the bit: :func:`~.gain.cached_gain_rows`). Accused -> the
+        probe's t (8 rows against 16); a task not staged, settled or failing to measure has none. Who gets which
+        place only decides when each verdict comes, never what it is: every screen still runs; a contribution that
+        did not train on its batches shows no gain on the first either (it cannot know which batch that is)."""
+        c = self.cfg
+        if not preps:
+            return {}
+        theta = self._weights.get(preps[0].round)
+        if theta is None:
+            return {}
+        kept = preps[0].kept
+        packets = self._packets(preps[0].round, kept)
+        rows = _rows_of(
+            c, self.model, self.dataset, theta, seed=self.seed, deadline=None, pace=pace, cache=kept.controls
+        )
+        out: dict[str, float] = {}
+        with self._compute:
+            if pace is not None:
+                pace.start()
+            try:
+                for prep in preps:
+                    task = prep.task
+                    order = gain_order(task, c.gain_assigned)
+                    if self.settled(task.accused) or not can_stage(len(order), c.gain_controls):
+                        continue
+                    try:
+                        got, _ = rows(task, packets[task.accused], [order[0]], [0, 1])
+                    except (KeyError, ValueError, VerifyTimeout):  # a part not held: the screen says why
+                        continue
+                    out[task.accused] = welch_t(got[0], got[1] + got[2])  # row-level, as the test's t
+            finally:
+                release_(self.model)
+        return out
 
     def _sampling(self, round: int) -> bool:
         """Whether kept round ``round`` draws established contributors for sampled screens."""

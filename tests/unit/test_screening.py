@@ -88,7 +88,7 @@ def test_a_newcomer_trained_on_other_data_fails_its_first_screen_and_is_excluded
             ev.task, verifier=str(ids["W"].peer_id)
         )
         assert a in w.excluded and a not in w.lone
-        assert w.counts()["queued"] == 4  # its four screens; no re-check job
+        assert w.counts()["queued"] == 5  # its four screens and the probe that orders them (session 47); no re-check
         asyncio.run(v.tend(ROUND))  # V reads W's evidence: confirmed by its own measurement
         assert a in v.excluded and a not in v.lone
         assert v.filter([types.SimpleNamespace(peer_id=a), types.SimpleNamespace(peer_id=b)]) == [
@@ -189,6 +189,7 @@ def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
     measured = []
     v._measure_screen = lambda prep, pace=None: measured.append(("screen", prep.task.accused))
     v._measure = lambda prep, micro_batch=None, deadline=None, pace=None: measured.append(("check", prep.task.accused))
+    v.probe_ts = lambda preps, pace=None: {}  # the probe orders nothing: the drawn order stays (test_screen_probe.py)
     try:
         v.queue.submit(CheckJob(ROUND, "recheck", blocker, key="blocker"))
         assert started.wait(60)  # the worker is busy: what follows waits
@@ -197,14 +198,14 @@ def test_screens_run_before_the_sampled_checks_and_none_is_skipped(world):
         gate.set()
         assert v.queue.wait_idle(240)
         ran = [(job.kind, job.key) for job, _, err in v.queue.results() if err is None]
-        assert [k for k, _ in ran] == ["recheck", "screen", "screen", "screen", "screen", "check"]
+        assert [k for k, _ in ran] == ["recheck", "probe", "screen", "screen", "screen", "screen", "check"]
         assert [k for k, _ in measured] == ["screen"] * 4 + ["check"]
         assert sorted(p for k, p in measured if k == "screen") == sorted(
             x.peer_id for x in plan.assignments if x.peer_id != v.me
         )
         # the screening order is this verifier's own draw (its selection signature), not the plan's
         c = v.queue.snapshot()
-        assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (6, 6, 0, 0, 0)
+        assert (c.queued, c.done, c.dropped, c.failed, c.waiting) == (7, 7, 0, 0, 0)
     finally:
         gate.set()
         v.close()

@@ -298,3 +298,76 @@ def test_kept_rounds_stay_while_a_job_needs_them_and_go_when_it_is_dropped(tmp_p
     finally:
         gate.set()
         wv.close()
+
+
+def test_the_queue_calls_on_done_after_each_job_that_ended_with_its_result_already_there():
+    """Session 47: the event loop learns of an ended job when it ends (``on_done``), not at the next round's tending;
+    the hook runs after the job's result is in :meth:`CheckQueue.results` (a job that failed too), once per job."""
+    clock = FakeClock()
+    stop = threading.Event()
+    q = CheckQueue(1.0, 4, pacer=Pacer(1.0, stop, clock=clock, sleep=clock.sleep), stop=stop)
+    seen: list[int] = []
+    q.on_done = lambda: seen.append(len(q._done))  # the results waiting when the hook runs (none drained)
+
+    def boom(pace):
+        raise ValueError("a job that fails")
+
+    try:
+        q.submit(CheckJob(1, "check", lambda pace: "a"))
+        q.submit(CheckJob(2, "check", boom))
+        q.submit(CheckJob(3, "screen", lambda pace: "c"))  # the first lane: run first
+        assert q.wait_idle(30)
+        assert seen == [1, 2, 3]
+        got = q.results()
+        assert [(j.round, r, type(e).__name__ if e else None) for j, r, e in got] == [
+            (3, "c", None),
+            (1, "a", None),
+            (2, None, "ValueError"),
+        ]
+    finally:
+        q.close()
+
+
+def test_a_checks_verdict_is_applied_when_its_job_ends_without_waiting_for_the_next_tending(world, flipped_case):
+    """Session 47: a verdict waited for the round's tending (:meth:`WorkVerifier.tend`), which runs after the round's row,
+    behind the agreement test, or not at all while the previous tending still reads the DHT: the next plan was often
+    agreed without it. Now the round rules wire the queue's ``on_done`` to the event loop, which applies the ended job
+    (:meth:`WorkVerifier.apply_ended`): A's flipped update is excluded, its evidence built, with no tend at all."""
+    from tests.rules_util import make_rules
+
+    c = flipped_case
+    a = world.pid["A"]
+    wv = _verifier(world, c.v, dataclasses.replace(c.cfg, duty=1.0), c.plan, c.packets)
+    rules = make_rules(me=str(c.v.peer_id), verifier=wv)
+    tends: list[int] = []
+    applied: list[int] = []
+    real_tend, real_apply = wv.tend, wv.apply_ended
+
+    async def tend(round, **kw):
+        tends.append(round)
+        return await real_tend(round, **kw)
+
+    wv.tend = tend  # type: ignore[method-assign]
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def apply_ended():
+            out = await real_apply()
+            applied.append(len(out))
+            if out:
+                done.set()
+            return out
+
+        wv.apply_ended = apply_ended  # type: ignore[method-assign]
+        rules.verified._wire_ended(wv)
+        assert wv.queue_check(ROUND, due=None, signed_of=lambda part, sender: c.signed[part] if sender == a else None)
+        await asyncio.wait_for(done.wait(), 200)
+
+    try:
+        asyncio.run(main())
+        assert tends == []  # never tended
+        assert applied[-1] == 1 and a in wv.excluded and wv.excluded[a].startswith(f"round {ROUND}: ")
+        assert [h[0] for h in wv.history] == [ROUND]
+    finally:
+        wv.close()

@@ -108,6 +108,8 @@ class VerifiedWork:
         #: gap (issue 27, session 45)
         self.before_early_write: Callable[[], object] = lambda: None
         self._round_done_ev: Optional[asyncio.Event] = None
+        self._ending: Optional[asyncio.Future] = None  # the task applying ended jobs (_apply_ended)
+        self._ending_again = False  # a job ended while it ran: it goes round once more
 
     def verdicts(self) -> verify.Verdicts:
         """The verdicts in force: the verifier's, or those held until it is built."""
@@ -286,7 +288,7 @@ class VerifiedWork:
     def cancel(self) -> None:
         """Stop the event loop's side in flight (shutdown): the tending task and accountable mode's fetches. The
         checks in the worker thread stop in :meth:`close`."""
-        for t in [self.task, *self._fetches]:
+        for t in [self.task, self._ending, *self._fetches]:
             if t is not None and not t.done():
                 t.cancel()
         self._early = None  # its thread ends on its own; close() deletes the file with the others
@@ -326,6 +328,7 @@ class VerifiedWork:
             wv = self.verifier
             if wv is None or (not ar.contributions and getattr(plan, "mode", None) != "accountable"):
                 return
+            self._wire_ended(wv)
             running = self.task
             if running is not None and not running.done():
                 log.debug("round %d: verified work: the previous round's evidence is still being read", r)
@@ -365,11 +368,55 @@ class VerifiedWork:
         try:
             wv = self.verifier
             running = self.task
+            if wv is not None:
+                self._wire_ended(wv)
             if wv is None or (running is not None and not running.done()):
                 return
             self._own_task(wv.tend(r, micro_batch=self._micro_batch), r)
         except Exception as e:  # the wait for the round's end must go on
             log.warning("round %d: verified work not tended: %s", r, e)
+
+    def _wire_ended(self, wv) -> None:
+        """Apply a background job's verdict as soon as the job ends (session 47): the queue's ``on_done`` wakes the event
+        loop, which runs :meth:`~geomesh_p2p.trust.verify.WorkVerifier.apply_ended` (one task at a time; a job that
+        ends meanwhile is applied by that task's next turn). Before, a verdict waited for the next round's tending,
+        which runs after that round's row (behind the agreement test) or not at all while the previous one still
+        reads the DHT, so the plan after the job's end was often agreed without it. Idempotent."""
+        q = getattr(wv, "queue", None)
+        if q is None or getattr(q, "on_done", None) is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def ended() -> None:  # in the worker thread
+            try:
+                loop.call_soon_threadsafe(self._apply_ended)
+            except RuntimeError:  # the loop is closed (shutdown): the result stays in the queue
+                pass
+
+        q.on_done = ended
+
+    def _apply_ended(self) -> None:
+        """On the event loop: apply the jobs that ended (:meth:`_wire_ended`)."""
+        wv = self.verifier
+        if wv is None:
+            return
+        if self._ending is not None and not self._ending.done():
+            self._ending_again = True
+            return
+
+        async def apply() -> None:
+            self._ending_again = True
+            while self._ending_again:
+                self._ending_again = False
+                await wv.apply_ended()
+
+        self._ending = asyncio.ensure_future(apply())
+
+        def failed(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("verified work: applying an ended check failed: %s", t.exception())
+
+        self._ending.add_done_callback(failed)
 
     def _own_task(self, coro, r: int) -> None:
         """Own ``coro`` as :attr:`task` (cancelled by :meth:`cancel`); its exception, if any, is one WARNING
