@@ -336,12 +336,15 @@ class CheckQueue:
         hold now (every other job stays where it is). Returns the keys of the lane in its new order (session 47: a
         round's screens, lowest probe t first)."""
         with self._cond:
-            want = {k for k in keys}
-            slots = [i for i, j in enumerate(self._first) if j.key in want]
-            named = {j.key: j for j in self._first if j.key in want}
             lane = list(self._first)
-            for i, k in zip(slots, [k for k in keys if k in named]):
-                lane[i] = named[k]
+            rank: dict[Any, int] = {}
+            for k in keys:
+                rank.setdefault(k, len(rank))
+            slots = [i for i, j in enumerate(lane) if j.key in rank]
+            # every named job keeps a slot (two under one key both stay, in their order: red team 47)
+            moved = sorted((lane[i] for i in slots), key=lambda j: rank[j.key])
+            for i, j in zip(slots, moved):
+                lane[i] = j
             self._first = deque(lane)
             return [j.key for j in self._first]
 

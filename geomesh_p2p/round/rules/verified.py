@@ -110,6 +110,7 @@ class VerifiedWork:
         self._round_done_ev: Optional[asyncio.Event] = None
         self._ending: Optional[asyncio.Future] = None  # the task applying ended jobs (_apply_ended)
         self._ending_again = False  # a job ended while it ran: it goes round once more
+        self._cancelled = False  # cancel() ran (shutdown): an ended job's hook starts nothing more (red team 47)
 
     def verdicts(self) -> verify.Verdicts:
         """The verdicts in force: the verifier's, or those held until it is built."""
@@ -287,7 +288,9 @@ class VerifiedWork:
 
     def cancel(self) -> None:
         """Stop the event loop's side in flight (shutdown): the tending task and accountable mode's fetches. The
-        checks in the worker thread stop in :meth:`close`."""
+        checks in the worker thread stop in :meth:`close`; a job ending in between applies nothing (its result
+        stays in the queue, as on a closed loop)."""
+        self._cancelled = True
         for t in [self.task, self._ending, *self._fetches]:
             if t is not None and not t.done():
                 t.cancel()
@@ -396,9 +399,10 @@ class VerifiedWork:
         q.on_done = ended
 
     def _apply_ended(self) -> None:
-        """On the event loop: apply the jobs that ended (:meth:`_wire_ended`)."""
+        """On the event loop: apply the jobs that ended (:meth:`_wire_ended`). Nothing after :meth:`cancel`: the worker
+        runs on until :meth:`close` joins it, and a task started then would outlive the shutdown's cancel (red team 47)."""
         wv = self.verifier
-        if wv is None:
+        if wv is None or self._cancelled:
             return
         if self._ending is not None and not self._ending.done():
             self._ending_again = True
