@@ -200,6 +200,17 @@ def _clean_workdir(workdir: Path) -> None:
         )
 
 
+def _reached_at(row: dict | None, shown: int) -> str:
+    """Where a target perplexity was measured, in both numberings: the round log's row ``r`` (the table's) evaluates
+    the state after round ``r``'s exchange, which ``geomesh-peer checkpoints`` / ``export`` name round ``r + 1``
+    (the round it starts; a fresh user 47 read "reached at round 3" against a newest checkpoint "round 4").
+    ``row``: the round row that carries the perplexity (its ``eval_round``, the round whose end state it measured,
+    when set: a background evaluation lands a round later); ``shown``: the table's round."""
+    r = row.get("eval_round") if row is not None else None
+    r = shown if not isinstance(r, int) else r
+    return f"reached at round {r} (the state after round {r}: checkpoint round {r + 1} in ckptN/)"
+
+
 def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
     """Print one swarm row per finished round until the target, the last round or a failure."""
     shown = -1
@@ -220,7 +231,8 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             losses = [r["train_loss"] for r in rr if r["train_loss"] is not None]
             loss = sum(losses) / len(losses) if losses else float("nan")
             # the swarm's eval of the round: any peer's (the same global weights); None when none evaluated
-            ppl = next((r["eval_ppl"] for r in rr if r["eval_ppl"] is not None), None)
+            evald = next((r for r in rr if r["eval_ppl"] is not None), None)
+            ppl = evald["eval_ppl"] if evald is not None else None
             print(
                 f"{shown:>5} {rr[0]['peers']:>5} {bh:<28} {loss:>6.3f} "
                 f"{(f'{ppl:.2f}' if ppl is not None else '-'):>9} {max(r['straggler_idle_pct'] for r in rr):>10.1f} "
@@ -231,7 +243,7 @@ def _watch(ns, swarm: Swarm, workdir: Path, t0: float) -> int:
             )
             if ns.target_ppl is not None and ppl is not None and ppl <= ns.target_ppl:
                 print(
-                    f"target eval perplexity {ns.target_ppl} reached at round {shown} after {rr[0]['time'] - t0:.0f}s"
+                    f"target eval perplexity {ns.target_ppl} {_reached_at(evald, shown)} after {rr[0]['time'] - t0:.0f}s"
                 )
                 # The peers saw the same perplexity and stop by themselves; give them the time to.
                 peers = [p for name, p in swarm.procs.items() if name.startswith("peer")]
@@ -261,10 +273,13 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
     if s0.exists():
         initial = json.loads(s0.read_text()).get("initial_eval_ppl")
     t_target = None
+    target_round = None  # the round whose end state reached it (its checkpoint is named target_round + 1)
     if ns.target_ppl is not None:
         for k in range(n):
             if rows[0][k]["eval_ppl"] is not None and rows[0][k]["eval_ppl"] <= ns.target_ppl:
                 t_target = rows[0][k]["time"] - t0
+                er = rows[0][k].get("eval_round")
+                target_round = er if isinstance(er, int) else k
                 break
     per_peer = []
     for i, r in enumerate(rows):
@@ -290,6 +305,7 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
         "target_ppl": ns.target_ppl,
         "reached_target": t_target is not None,
         "time_to_target_s": t_target,
+        "target_round": target_round,
         "wall_s": time.time() - t0,
         "per_peer": per_peer,
         "digests_matched_every_round": digests_matched and n > 0,
@@ -297,12 +313,21 @@ def _summarize(ns, workdir: Path, t0: float) -> dict:
     }
 
 
+def _target_said(s: dict) -> str:
+    """The summary's words for the target: where and when it was reached, the round in both numberings."""
+    if not s["reached_target"]:
+        return "not reached"
+    r = s.get("target_round")
+    at = f" at round {r}, checkpoint round {r + 1}" if isinstance(r, int) else ""
+    return f"reached{at} in {s['time_to_target_s']:.0f}s"
+
+
 def _print_summary(s: dict, summary_json: str | None = None) -> None:
     print("\nsummary:")
     fmt = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
     print(
         f"  rounds {s['rounds']}, eval perplexity {fmt(s['initial_eval_ppl'])} -> {fmt(s['final_eval_ppl'])}"
-        f" (target {s['target_ppl']}: {'reached in %.0fs' % s['time_to_target_s'] if s['reached_target'] else 'not reached'})"
+        f" (target {s['target_ppl']}: {_target_said(s)})"
     )
     # not the table's figures: each row's strag% max / net% max is that round's worst peer
     print(

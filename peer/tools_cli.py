@@ -235,6 +235,18 @@ def _no_checkpoint(cmd: str, directory: str) -> bool:
     return problem is not None
 
 
+#: What a checkpoint's round is, said under the listing: the state a round starts from, the previous round's result.
+ROUND_OF_A_CHECKPOINT = (
+    "round N: the state after round N-1's exchange, which round N starts from (the round log's row N-1, and the "
+    "demo's, evaluated it)"
+)
+
+
+def _state_of_round(r: int) -> str:
+    """What the checkpoint of round ``r`` holds, in the round rows' numbering."""
+    return f"the state after round {r - 1}" if r > 0 else "the seed, before round 0"
+
+
 def cmd_checkpoints(ns: argparse.Namespace) -> int:
     if _no_checkpoint("checkpoints", ns.directory):
         return 1
@@ -292,6 +304,9 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
         console.print(
             Text(f"warning: checkpoints of {len(hashes)} different run configs in this directory", style="yellow")
         )
+    # the round numbers of a checkpoint and of a round row differ by one (fresh user 47: the demo's "reached at
+    # round 3" and a newest checkpoint "round 4" were the same state)
+    console.print(Text(ROUND_OF_A_CHECKPOINT, style="dim"))
     if not ns.verify:
         console.print(Text("(digests not re-computed; --verify reads every weights file)", style="dim"))
     return 0 if all(r["problem"] is None for r in rows) else 1
@@ -311,7 +326,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
         _say("export", str(e))
         return 1
     print(
-        f"exported round {info['round']} (digest {info['digest'][:16]}, {info['num_params']:,} parameters) "
+        f"exported round {info['round']} ({_state_of_round(info['round'])}; digest {info['digest'][:16]}, "
+        f"{info['num_params']:,} parameters) "
         f"to {info['out']}: {', '.join(info['files'])}"
     )
     print(

@@ -405,10 +405,16 @@ class NodeConfig(BaseModel):
     checkpoint_dir: Optional[str] = opt(None, "write safetensors checkpoints here", metavar="DIR")
     checkpoint_every: int = opt(5, "rounds between checkpoints", ge=1)
     checkpoint_keep: int = opt(3, "checkpoints kept", ge=1)
-    resume: bool = opt(False, "continue from the newest checkpoint in --checkpoint-dir")
+    resume: bool = opt(
+        False,
+        "continue from the newest checkpoint in --checkpoint-dir (then catch up if the swarm is further along); "
+        "without it the checkpoint is used only when no peer of the run is live and it is at or past the round a bootstrap "
+        "saw the run at (--on-empty-swarm wait)",
+    )
     on_empty_swarm: Literal["wait", "resume", "seed"] = opt(
         "wait",
-        "when a bootstrap saw this run at round N > 0 but no peer of it is live: wait = wait for a peer to "
+        "when a bootstrap saw this run at round N > 0 but no peer of it is live: wait = continue from "
+        "--checkpoint-dir's newest checkpoint if it holds round N or later, else wait for a peer to "
         "come back (Ctrl+C stops), resume = continue from the newest checkpoint in --checkpoint-dir, "
         "seed = start the run again from the seed at round 0",
     )

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from geomesh_p2p.util.atomic import atomic_write, bounded_write_s
 from geomesh_p2p.data.corpus import DataError, cache_dir_default, load_text
+from geomesh_p2p.data.format import DataTooShortError
 from geomesh_p2p.data.tokenizer import encode_corpus, get_tokenizer, tokenizer_fingerprint
 from geomesh_p2p.data.tokens import build_token_file, is_streamed, read_head_text, source_digest
 
@@ -241,9 +242,12 @@ def load_dataset(
 
 
 def _check_splits(ds: TokenDataset, name: str, seq_len: int) -> None:
-    """Raises DataError naming the data when a split is shorter than ``seq_len``."""
+    """Raises DataTooShortError naming the data when a split is shorter than ``seq_len``."""
     if ds.n_train < seq_len or ds.n_eval < seq_len:
-        raise DataError(f"{name}: too few tokens for seq_len {seq_len} (train {ds.n_train}, eval {ds.n_eval})")
+        raise DataTooShortError(
+            f"{name}: too few tokens for seq_len {seq_len} (train {ds.n_train}, eval {ds.n_eval}; each needs "
+            f"{seq_len}): use more text or a smaller --seq-len"
+        )
 
 
 def _load_mapped(

@@ -37,8 +37,7 @@ from geomesh_p2p.trust.admission import pow_done_line
 from geomesh_p2p.model.capability import ThroughputEMA
 from geomesh_p2p.exchange import CollectiveService, GroupedCollective
 from geomesh_p2p.config.models import NodeConfig, RunConfig
-from geomesh_p2p.dht import PeerAnnouncer, record_ttl_s
-from geomesh_p2p.dht import DHTNode
+from geomesh_p2p.dht import DHTNode, PeerAnnouncer, record_ttl_s
 from geomesh_p2p.util.aio import SharedRead
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.util.exit_gc import freeze_startup_heap
@@ -53,7 +52,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, PlanStore, RoundDriver
 from geomesh_p2p.plan.awb import AUTO_WINDOW_MIN_S
-from geomesh_p2p.node import joining, report, training
+from geomesh_p2p.node import data_load, joining, report, training
 from geomesh_p2p.node.checkpoints import Checkpointer, check_writable_dir, node_verdicts
 from geomesh_p2p.node.watchdog import ProgressWatchdog
 from geomesh_p2p.node.joining import DuplicateIdentityError, StoppedBeforeJoining
@@ -386,6 +385,7 @@ class PeerNode:
             tls=tls,
         )
         await joining.check_before_proof_of_work(self, tls)  # a busy --port, a wrong --bootstrap or --run-id: now
+        await asyncio.to_thread(data_load.load_training_data, self)  # a bad --data file too (exit 2): fresh user 47
         await self._prove_work()
         self.transport = Transport(self.identity, self.run_cfg.run_id, tcfg, allow=self._allow)
         check = run_record_store_check(self.run_cfg.run_id, self.run_cfg.pow_bits)  # junk takes no slot, on any run key

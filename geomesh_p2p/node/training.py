@@ -5,7 +5,6 @@ the start-up profile of this device, the inner trainer, the outer optimizer and 
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +17,7 @@ from geomesh_p2p.exchange.codec.feedback import PushFeedback
 if TYPE_CHECKING:
     from geomesh_p2p.node.peer import PeerNode
 
-from geomesh_p2p.data import load_dataset
+from geomesh_p2p.node.data_load import load_training_data
 from geomesh_p2p.model.profile import ProfileStopped, memory_in_use, profile_training, stateless_optimizer
 from geomesh_p2p.model.device import detect_device
 from geomesh_p2p.exchange.profile import measure_codec
@@ -190,18 +189,10 @@ def build_training(node: PeerNode) -> None:
     # faulted in its activations and gradients afresh. Freed memory goes back by trims instead: after
     # the profile (below) and after each round's inner steps (InnerTrainer.run).
     # Start-up says what it is doing: data, tokenizer and model take seconds to minutes (issue 14 #10).
-    log.info(
-        "loading the training data (%s) and its tokenizer (cached after the first run)...",
-        c.data_path or "the shipped corpus",
-    )
     if not c.checkpoint_dir:  # said once joined (a start-up error stays the only line): Ctrl+C then saves nothing
         log.info("no --checkpoint-dir: this peer saves no checkpoint (its state lives only in the swarm)")
-    t0 = time.monotonic()
-    node.dataset = load_dataset(c.data_path, seq_len=r.seq_len, vocab_size=r.vocab_size)
-    log.info(
-        "data loaded in %.1fs; building the model and profiling this device (a few timed steps)...",
-        time.monotonic() - t0,
-    )
+    load_training_data(node)  # loaded already by PeerNode.start, before its proof of work (fresh user 47)
+    log.info("building the model and profiling this device (a few timed steps)...")
     node._stop_point("after loading the data")
     # A multi-rank peer (issue 30, geomesh_p2p.node.ranks): rank 0 trains on its rank's device; the profile
     # below measures this one rank within its share of the device's memory, and the record states the peer's

@@ -145,7 +145,7 @@ class RoundDriver:
         self.in_exchange = False
         self.leaving = False
         self._rounds_after_stop = 0  # rounds taken part in after a stop request (_planned_after_stop: at most one)
-        self._waiting_logged: Optional[tuple[int, int]] = None
+        self._waiting_logged: Optional[tuple[int, int, bool]] = None
         #: peer -> (progress-derived waits it did not arrive from, the round of the last): round/gather.py
         self._sync_misses: dict[str, tuple[int, int]] = {}
         #: the rounds this peer applied, newest last (what a re-sync to another side's state discards)
@@ -188,10 +188,14 @@ class RoundDriver:
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
         #: this session started from the seed (round 0) of a run known at no later round (``run``'s
-        #: ``known_round``) and no read has shown another peer's record yet: this
-        #: peer is the whole swarm, its state the run's (:func:`~geomesh_p2p.round.resync.left_alone`); set in
-        #: :meth:`run`, cleared by the first other record :meth:`remember` or ``behind`` reads
+        #: ``known_round``), or past round 0 from a state no older than the round the run was known at (its last
+        #: state, continued: a peer restarted after every other peer left), and no read has shown another peer's record since but a previous session's
+        #: leaving ones at or before that state (:meth:`left_before`): this peer is the whole swarm, its state the
+        #: run's (:func:`~geomesh_p2p.round.resync.left_alone`); set in :meth:`run`, cleared by the first other record
+        #: :meth:`remember` or ``behind`` reads
         self._whole_swarm = False
+        #: (round, digest) this session started from (set in :meth:`run`; round -1 before)
+        self._start: tuple[int, Optional[str]] = (-1, None)
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()
@@ -259,9 +263,21 @@ class RoundDriver:
             del self._recent[pid]
 
     def saw_others(self, records: Sequence[PeerRecord]) -> None:
-        """Note a read of the run's records: one of another peer (leaving or not) ends :attr:`_whole_swarm`."""
-        if self._whole_swarm and any(r.peer_id != self.me for r in records):
+        """Note a read of the run's records: one of another peer (leaving or not), unless a previous session's
+        leaving record behind this session's start (:meth:`left_before`), ends :attr:`_whole_swarm`."""
+        if self._whole_swarm and any(r.peer_id != self.me and not self.left_before(r) for r in records):
             self._whole_swarm = False
+
+    def left_before(self, record: PeerRecord) -> bool:
+        """``record`` announced leaving before this session began (less ``resync.PREVIOUS_SESSION_MARGIN_S``), at an
+        earlier round than the one this session started from, or at that round with its digest: a peer that left the
+        run where this peer took it up (the state it continues is the one that peer left), no other lineage."""
+        r0, d0 = self._start
+        return bool(
+            record.leaving
+            and float(record.timestamp) < self.started_at - resync.PREVIOUS_SESSION_MARGIN_S
+            and (record.round < r0 or (record.round == r0 and d0 is not None and record.weights_digest == d0))
+        )
 
     def recent(self) -> dict[str, PeerRecord]:
         """Records read by gathers within the last ``RECENT_RECORD_S`` seconds (the newest of each peer)."""
@@ -311,8 +327,16 @@ class RoundDriver:
         # unconfirmed lineage's by a re-sync (a fresh-user trial, session 31: a peer resumed at round 24 behind the
         # swarm caught up to round 30 and dropped its standing of rounds 0-23, all of them digest-checked)
         self._confirmed_round = max(self._confirmed_round, int(self.state.round))
-        self._whole_swarm = (
-            int(self.state.round) == 0 and known_round <= 0 and not any(p != self.me for p in self._recent)
+        # The whole swarm: started from the seed of a run known at no later round, or from the round the run was
+        # known at (fresh user 47: p2 restarted on its checkpoint of round 7 after p1 had left at round 7 on the same
+        # state trained round 7 alone after --wait-peers-s, as --min-peers says, then ended "NOT the swarm's", exit 3,
+        # though its lineage was the run's only one). Past round 0 the run must be known (a bootstrap's round, the
+        # leaving records'), at this round or before (a bootstrap may have seen the last round's start only): a resume
+        # with nothing known of the run is not claimed to be its last state.
+        r0 = int(self.state.round)
+        self._start = (r0, self.state.digest)
+        self._whole_swarm = (known_round <= 0 if r0 == 0 else 0 < known_round <= r0) and all(
+            self.left_before(r) for p, (r, _) in self._recent.items() if p != self.me
         )
         self._swarm_seen = max(self._swarm_seen, known_round)  # a peer left alone says where the run was
         watcher = asyncio.ensure_future(self._say_leaving_on_stop())

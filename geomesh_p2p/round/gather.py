@@ -143,8 +143,31 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             waited = {p for p, end in ends.items() if end > now}
             if (expected | waited) <= ids and len(ids) >= min_peers:
                 return synced
-            if len(ids) < min_peers and drv._waiting_logged != (min_peers, len(recs)):
-                drv._waiting_logged = (min_peers, len(recs))
+            alone = not first and not any(x.peer_id != drv.me for x in recs)
+            if alone and drv._waiting_logged != (min_peers, len(recs), first):
+                # After its first round nobody else is live: the wait is for ONE other peer, and the run ends after
+                # it (a fresh user 47 saw 180 s of silence: the line of the first round's wait had been said).
+                drv._waiting_logged = (min_peers, len(recs), first)
+                events.emit(
+                    log,
+                    logging.INFO,
+                    "waiting_for_peers",
+                    "round %d: no other peer of the run is live; after its first round a peer trains only with "
+                    "another (--min-peers %d; 1 trains on alone): waiting up to %.0f s (--wait-peers-s) for one, then "
+                    "this peer ends (docs/round.md, Never alone after the first round)",
+                    drv.state.round,
+                    drv.cfg.min_peers,
+                    wait_s,
+                    peer=drv.me,
+                    round=drv.state.round,
+                    min_peers=min_peers,
+                    in_step=len(ids),
+                    live=len(recs),
+                    wait_s=wait_s,
+                    alone=True,
+                )
+            elif len(ids) < min_peers and drv._waiting_logged != (min_peers, len(recs), first):
+                drv._waiting_logged = (min_peers, len(recs), first)
                 events.emit(
                     log,
                     logging.INFO,

@@ -132,19 +132,29 @@ def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[Sw
 
 def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float) -> SwarmEnded:
     """The :class:`SwarmEnded` of a peer that, after its first round, found no other live peer for a
-    whole ``wait_peers_s`` short of ``min_peers``. ``synced`` only when no other peer's record was ever read since
-    it started from the seed (``_whole_swarm``: it was the whole swarm). Else never: with the others' records gone nothing
+    whole ``wait_peers_s`` short of ``min_peers``. ``synced`` only when it was the whole swarm (``_whole_swarm``): no
+    other peer's record was ever read since it started from the seed, or from the round the run was known at with
+    only a previous session's leaving records at or behind that state (``RoundDriver.left_before``: the peers that
+    left it there). Else never: with the others' records gone nothing
     shows where the swarm ended (it may have gone on after the last state it confirmed to this peer), so
     the run is not claimed healthy; the line says whether the swarm confirmed this peer's state (a digest
     check that agreed, or a catch-up adopted it)."""
     r = drv.state.round
     others = [x for x in everyone if x.peer_id != drv.me]
-    if drv._whole_swarm and not others:
+    if drv._whole_swarm and all(drv.left_before(x) for x in others):
         # No other peer ever: nobody else's digest can confirm the state, yet this peer's own rounds made the run's
         # only lineage, so "NOT the swarm's" (exit 3) was wrong (fresh user 46: a sole first peer with --min-peers
-        # 3 trained round 0 after the wait, then ended so at round 1). It stops as the swarm it was, synced.
+        # 3 trained round 0 after the wait, then ended so at round 1). It stops as the swarm it was, synced. So does
+        # a peer that took the run up at the round it was known at, after its other peers had left (fresh user 47).
+        r0 = drv._start[0]
+        came = (
+            "no other peer of the run ever appeared"
+            if r0 <= 0
+            else f"no other peer of the run came back since this peer continued it from round {r0}, the round the "
+            "run was at when its other peers left"
+        )
         why = (
-            f"no other peer of the run ever appeared (waited {waited_s:.0f} s at round {r}); this peer was the whole "
+            f"{came} (waited {waited_s:.0f} s at round {r}); this peer was the whole "
             f"swarm, so its state (round {r}, digest {(drv.state.digest or '')[:8]}) is the run's; after its first "
             f"round a peer does not train on alone unless --min-peers is 1 (it is {drv.cfg.min_peers}): start it "
             "again with --resume once other peers join"

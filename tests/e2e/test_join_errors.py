@@ -52,6 +52,26 @@ def test_unreadable_data_path(tmp_path):
     assert "cannot read" in _one_line_error(_join(tmp_path, "--data", str(f)))
 
 
+@pytest.mark.parametrize(
+    "name, content, said",
+    [
+        ("tiny.txt", b"hello world", "too few tokens for seq_len 32 (train "),
+        ("binary.txt", b"\x00\xff\xfe\x00 some text after it", "not valid UTF-8 text (byte 1)"),
+    ],
+)
+def test_data_too_short_or_not_text_is_a_bad_file_named_before_the_proof_of_work(tmp_path, name, content, said):
+    """Fresh user 47: both exited 1, after torch, the proof of work and the DHT join (10-15 s); an empty file exits 2
+    at once. They are bad files too: exit 2, said before the proof of work and before anything listens."""
+    f = tmp_path / name
+    f.write_bytes(content)
+    r = _join(tmp_path, "--data", str(f))
+    line = _one_line_error(r)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert line.startswith(f"geomesh-peer join: --data {f}: {said}"), line
+    assert "proof of work (" not in r.stderr and "serving on" not in r.stderr, r.stderr  # neither done nor joined
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("id.key")) == []  # the new key removed
+
+
 def test_model_config_that_does_not_parse(tmp_path):
     cfg = tmp_path / "model.json"
     cfg.write_text('{"n_layer": 2,, }')

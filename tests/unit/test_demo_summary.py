@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from peer.demo import _print_summary, _summarize
+from peer.demo import _print_summary, _reached_at, _summarize
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,3 +60,22 @@ def test_summary_idle_is_time_weighted_over_all_rounds_and_says_so(tmp_path, cap
     assert not any(line.startswith("summary (JSON)") for line in out)  # none written: none named
     _print_summary(s, "runs/demo/summary.json")  # the Makefile's demo writes one: the last lines name it
     assert "summary (JSON): runs/demo/summary.json" in capsys.readouterr().out.splitlines()
+
+
+def test_the_target_round_is_said_in_both_numberings(tmp_path, capsys):
+    """Fresh user 47: the demo said "target eval perplexity 250.0 reached at round 3" while ``geomesh-peer checkpoints``
+    listed the same state as round 4 (a round row evaluates the state after its exchange; a checkpoint is named by
+    the round it starts). Both lines now give both numbers; a background evaluation's row names its own round."""
+    rows = [_row(5.0, 0.0, 0.0, 10) for _ in range(5)]
+    rows[3] = {**rows[3], "eval_ppl": 240.0, "eval_round": 3, "time": 40.0}
+    (tmp_path / "peer0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    s = _summarize(argparse.Namespace(peers=1, target_ppl=250.0, method="geomesh"), tmp_path, 0.0)
+    assert (s["reached_target"], s["target_round"], s["time_to_target_s"]) == (True, 3, 40.0)
+    _print_summary(s)
+    out = capsys.readouterr().out
+    assert "(target 250.0: reached at round 3, checkpoint round 4 in 40s)" in out
+    assert _reached_at(rows[3], 3) == "reached at round 3 (the state after round 3: checkpoint round 4 in ckptN/)"
+    # a background evaluation of round 2 carried by row 3: round 2, checkpoint 3
+    assert _reached_at({**rows[3], "eval_round": 2}, 3).startswith(
+        "reached at round 2 (the state after round 2: checkpoint round 3"
+    )

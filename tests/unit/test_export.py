@@ -78,7 +78,7 @@ def test_export_round_trips_bitwise_and_generates(trained, tmp_path, capsys, mon
     out = tmp_path / "hf"
     assert main(["export", "--checkpoint-dir", str(trained["dir"]), "--out", str(out)]) == 0
     said = capsys.readouterr().out
-    assert "exported round 2" in said
+    assert "exported round 2 (the state after round 1; digest " in said  # the round rows' numbering too (user 47)
     for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "geomesh_export.json"):
         assert (out / f).is_file(), f
     info = json.loads((out / "geomesh_export.json").read_text())
@@ -133,6 +133,8 @@ def test_generate_and_checkpoints_commands(trained, capsys):
     assert main(["checkpoints", str(trained["dir"]), "--verify"]) == 0
     table = capsys.readouterr().out
     assert trained["run"].config_hash() in table and "run_id='export-test'" in table
+    # a checkpoint's round is the round it starts, one past the round row that evaluated it (fresh user 47)
+    assert "round N: the state after round N-1's exchange, which round N starts from" in " ".join(table.split())
     assert main(["checkpoints", str(trained["dir"]), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["round"] for r in rows] == [1, 2]

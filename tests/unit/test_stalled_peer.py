@@ -456,6 +456,42 @@ async def test_leaving_records_of_a_previous_session_do_not_end_a_restarted_run(
     assert [(e["cause"], e["synced"]) for e in ended2] == [("others_left", True)]
 
 
+@pytest.mark.parametrize(
+    "known, digest_of_a, synced",
+    [(5, "same", True), (3, "same", True), (5, "other", False), (0, "same", False), (7, "same", False)],
+)
+async def test_a_peer_restarted_on_the_state_the_others_left_the_run_at_ends_holding_the_runs_state(
+    known, digest_of_a, synced
+):
+    """Fresh user 47: a 2-peer swarm, both left at round 5 (here) on one state; one restarted alone on its own
+    checkpoint of that round (the join knew the run there: ``known_round`` 5). After --wait-peers-s it trained round 5
+    alone, as --min-peers says, then said nothing for another --wait-peers-s and ended "NOT the swarm's", exit 3,
+    though it had taken the run up where it was and was its only lineage since. It now says what it waits for once
+    and ends synced (also when the bootstrap last saw an earlier round: 3). Not when the leaving record backs another
+    digest, when nothing placed the run anywhere (known 0), or when the run was known further along (7: a fork)."""
+    me, a = _peers(2)
+    _finished(a, 5, 0.25)
+    old = a.swarm.records[a.me]
+    a.swarm.records[a.me] = old.model_copy(update={"timestamp": old.timestamp - 120})  # a previous session's
+    seed = 0.25 if digest_of_a == "same" else 0.5
+    me.theta = torch.full_like(a.theta, seed)
+    me.round, me.digest, me.model = 5, _digest(me.theta), me.theta.clone()
+    drv = me.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended, events.capture("waiting_for_peers") as waiting:
+        await asyncio.wait_for(drv.run(known_round=known), 30)
+    assert [r.round for r in drv.history] == [5]  # the first round after the wait, alone, as before
+    assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (6, synced)
+    assert [(e["cause"], e["synced"]) for e in ended] == [("alone", synced)]
+    if synced:
+        assert drv.ended.swarm_round == 6
+        assert "continued it from round 5" in drv.ended.why and "is the run's" in drv.ended.why
+    else:
+        assert "NOT" in drv.ended.why and "whole swarm" not in drv.ended.why
+    # one line per wait: the first round's (for --min-peers), then round 6's, for one other peer, then the end
+    assert [(e["round"], e.get("alone", False)) for e in waiting] == [(5, False), (6, True)]
+    assert "waiting up to 3 s (--wait-peers-s) for one, then this peer ends" in waiting[1]["message"]
+
+
 @pytest.mark.parametrize("i_win_the_tie", [True, False])
 async def test_the_digest_check_waits_for_a_voter_still_finishing_the_round(i_win_the_tie):
     """The stalled-peer fork (docs/round.md, session 27): p1 stopped, p0 and p2 split a round and p2 announced
