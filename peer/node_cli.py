@@ -255,6 +255,9 @@ async def _run_node(node, ranks=None) -> int:
     loop = asyncio.get_running_loop()
     from geomesh_p2p.util import threadsched
 
+    if os.environ.get(threadsched.SLICE_ENV):
+        threadsched.set_slice_us(int(os.environ[threadsched.SLICE_ENV]))
+
     prestart_default_executor(
         loop, initializer=threadsched.mark_current_thread if threadsched.wanted() else None
     )  # no worker thread started from the loop mid-round (a 51 ms stall, issue 27)

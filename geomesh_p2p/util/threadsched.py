@@ -53,3 +53,54 @@ def policy_of(tid: Optional[int] = None) -> Optional[int]:
         return os.sched_getscheduler(0 if tid is None else tid)  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         return None
+
+
+#: Environment switch for an experiment (session 47): the event loop thread's EEVDF slice in microseconds (Linux >=
+#: 6.12 reads ``sched_runtime`` of a ``SCHED_OTHER`` thread as its requested slice; 100-100,000 us; default ~0.7-3 ms).
+#: A shorter slice gives the thread an earlier deadline, so it preempts a longer-slice thread when it wakes, and the
+#: kernel carries the shortest slice of a group up to the group (an autogroup: the whole peer process).
+SLICE_ENV = "GEOMESH_LOOP_SLICE_US"
+
+_SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+_SYS_SCHED_GETATTR = {"x86_64": 315, "aarch64": 275}
+_ATTR = "IIQiIQQQII"  # struct sched_attr, SCHED_ATTR_SIZE_VER1 (56 bytes)
+
+
+def _attr_syscall(number: int, tid: int, buf, size_or_flags: int, flags: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, tid, buf, size_or_flags, flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def sched_attr(tid: int = 0) -> tuple:
+    """The thread's ``struct sched_attr`` as a tuple (size, policy, flags, nice, priority, runtime ns, deadline ns,
+    period ns, util min, util max). Raises OSError (or KeyError off x86_64/aarch64)."""
+    import ctypes
+    import platform
+    import struct
+
+    buf = ctypes.create_string_buffer(struct.calcsize(_ATTR))
+    _attr_syscall(_SYS_SCHED_GETATTR[platform.machine()], tid, buf, len(buf), 0)
+    return struct.unpack(_ATTR, buf.raw)
+
+
+def set_slice_us(us: int, tid: int = 0) -> bool:
+    """Request an EEVDF slice of ``us`` microseconds for thread ``tid`` (0: the caller), keeping its policy, nice and
+    priority; True when set. Never raises: one INFO line and False where the OS refuses."""
+    import ctypes
+    import platform
+    import struct
+
+    try:
+        _, pol, _, nice, prio, *_ = sched_attr(tid)
+        buf = ctypes.create_string_buffer(
+            struct.pack(_ATTR, struct.calcsize(_ATTR), pol, 0, nice, prio, us * 1000, 0, 0, 0, 0)
+        )
+        _attr_syscall(_SYS_SCHED_SETATTR[platform.machine()], tid, buf, 0, 0)
+        return True
+    except (OSError, KeyError, AttributeError) as e:
+        log.info("the event loop's thread keeps the default scheduler slice: the OS refused a %d us slice (%s)", us, e)
+        return False
