@@ -253,14 +253,7 @@ async def _run_node(node, ranks=None) -> int:
     """``node.run()`` with Ctrl+C / SIGTERM asking it to stop; with ``ranks`` (a multi-rank peer's
     :class:`~geomesh_p2p.node.ranks.LocalRanks`) a failure of the ranks stops it too."""
     loop = asyncio.get_running_loop()
-    from geomesh_p2p.util import threadsched
-
-    if os.environ.get(threadsched.SLICE_ENV):
-        threadsched.set_slice_us(int(os.environ[threadsched.SLICE_ENV]))
-
-    prestart_default_executor(
-        loop, initializer=threadsched.mark_current_thread if threadsched.wanted() else None
-    )  # no worker thread started from the loop mid-round (a 51 ms stall, issue 27)
+    prestart_default_executor(loop)  # no worker thread started from the loop mid-round (a 51 ms stall, issue 27)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, node.request_stop)
     watch = None

@@ -368,10 +368,6 @@ class CheckQueue:
 
     # -- the worker -----------------------------------------------------------------------------------
     def _work(self) -> None:
-        from geomesh_p2p.util import threadsched
-
-        if threadsched.wanted():
-            threadsched.mark_current_thread()
         while True:
             with self._cond:
                 while not self._waiting and not self._first and not self._stop.is_set():

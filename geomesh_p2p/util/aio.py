@@ -51,9 +51,7 @@ PRESTART_TIMEOUT_S = 10.0
 
 
 def prestart_default_executor(
-    loop: asyncio.AbstractEventLoop,
-    workers: Optional[int] = None,
-    initializer: Optional[Callable[[], Any]] = None,
+    loop: asyncio.AbstractEventLoop, workers: Optional[int] = None
 ) -> concurrent.futures.ThreadPoolExecutor:
     """Give ``loop`` a default executor (``asyncio.to_thread``, ``run_in_executor(None, ...)``) whose ``workers``
     threads (default asyncio's own, ``min(32, cpu_count + 4)``) are all started now; returns it. ``asyncio.run``
@@ -71,7 +69,7 @@ def prestart_default_executor(
     n = min(32, (os.cpu_count() or 1) + 4) if workers is None else int(workers)
     if n < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="asyncio", initializer=initializer)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="asyncio")
     # each task holds its thread until all n have started, so submit starts n threads, not 1 reused n times
     barrier = threading.Barrier(n, timeout=PRESTART_TIMEOUT_S)
     try:
