@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from geomesh_p2p.schema.peer import PeerRecord
 from geomesh_p2p.telemetry import events
@@ -144,6 +144,9 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             if (expected | waited) <= ids and len(ids) >= min_peers:
                 return synced
             alone = not first and not any(x.peer_id != drv.me for x in recs)
+            fields: dict[str, Any] = dict(
+                peer=drv.me, round=drv.state.round, min_peers=min_peers, in_step=len(ids), live=len(recs), wait_s=wait_s
+            )
             if alone and drv._waiting_logged != (min_peers, len(recs), first):
                 # After its first round nobody else is live: the wait is for ONE other peer, and the run ends after
                 # it (a fresh user 47 saw 180 s of silence: the line of the first round's wait had been said).
@@ -158,13 +161,8 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                     drv.state.round,
                     drv.cfg.min_peers,
                     wait_s,
-                    peer=drv.me,
-                    round=drv.state.round,
-                    min_peers=min_peers,
-                    in_step=len(ids),
-                    live=len(recs),
-                    wait_s=wait_s,
                     alone=True,
+                    **fields,
                 )
             elif len(ids) < min_peers and drv._waiting_logged != (min_peers, len(recs), first):
                 drv._waiting_logged = (min_peers, len(recs), first)
@@ -181,12 +179,7 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                     len(ids),
                     len(recs),
                     wait_s,
-                    peer=drv.me,
-                    round=drv.state.round,
-                    min_peers=min_peers,
-                    in_step=len(ids),
-                    live=len(recs),
-                    wait_s=wait_s,
+                    **fields,
                 )
             until = max([t0 + wait_s] + [ends[p] for p in waited])
             if now > until or drv.stop.is_set():
