@@ -451,6 +451,7 @@ async def obtain_plan(
     published = False
     seen: Optional[frozenset] = None
     signed: set = set()  # leaders of every plan of the round read, refused ones included
+    absent: set = set()  # leaders of plans refused as content (no honest peer follows them): they hold no last resort
     refused: dict[str, tuple[RoundPlan, str]] = {}  # leader -> its plan this peer refuses now, and why
     # leaders whose plans others may follow: a refused one of theirs must not be bypassed
     blockers = (set(pool) | set(authorities)) - {me}
@@ -461,8 +462,10 @@ async def obtain_plan(
             # accepted (a view that caught up, a record read late), or refused by every honest follower alike:
             # ignored as absent, the next leader takes over (no follower can be on that plan)
             refused.pop(plan.leader, None)
+            (absent.add if reason is not None else absent.discard)(plan.leader)
         else:
             refused[plan.leader] = (plan, reason)
+            absent.discard(plan.leader)
         return reason
 
     def settle_of(plan: RoundPlan) -> float:
@@ -503,11 +506,13 @@ async def obtain_plan(
             backoff.reset()  # something changed: read again soon
         best = choose_plan(store.run_id, round, plans)
         my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
-        if my_turn_now and my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me}:
+        if my_turn_now and my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me} - absent:
             # a last resort publishes only where nobody leads at all; a plan it refuses from a member means a
             # leader it does not accept is there, and its own plan would split the round: it keeps waiting.
             # Plans of non-members do not count: any identity can sign one (review: a Sybil publishing a
-            # plan every round that all refuse would bring the livelock back).
+            # plan every round that all refuse would bring the livelock back). Nor do plans refused as content
+            # (red team 47: the rogue leader of the last round, which may not lead this one, published one to
+            # hold the accused's last resort; no honest peer follows such a plan).
             my_turn_now = False
         # Publish when it is my turn, unless a plan from a better-ranked leader already exists, or a
         # worse-ranked one has already started (its peers are training: a competing plan would only

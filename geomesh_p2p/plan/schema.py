@@ -16,11 +16,14 @@ PLAN_SCHEMA_VERSION = 1
 
 
 def max_accused(n_participants: int) -> int:
-    """The most peers a plan of ``n_participants`` may name in :attr:`RoundPlan.accused`: a tenth of them, at least
-    one. Bounds what a rogue leader gains by naming honest peers (they lead nothing in the next round, so the next
-    leader is drawn from fewer honest ones: with ``c`` colluders among ``n`` participants, ``c / (n - 1 - k)`` instead
-    of ``c / (n - 1)``) and keeps the field small (25 ids at 256 peers, ~1.3 KB before compression)."""
-    return max(1, int(n_participants) // 10)
+    """The most peers a plan of ``n_participants`` may name in :attr:`RoundPlan.accused`: one (red team 47: round r's
+    leader order is public before round r - 1 is planned, so a rogue leader names exactly the honest peers ranked
+    before its best colluder; with k names a colluder among the first k + 1 of round r's order leads it, so k is kept
+    at 1: the colluder's rate at most doubles, docs/security.md "Red team 47"). The leader names the participant with
+    the most distinct accusers (ties by PeerID). A plan of one participant names none (only its leader takes part).
+    ``n_participants`` is kept for the callers and the wire rule's shape (a bound per plan size)."""
+    del n_participants
+    return 1
 
 
 Method = Literal["geomesh", "awb", "diloco", "css", "ddp"]
@@ -183,7 +186,7 @@ class RoundPlan(BaseModel):
     # Participants against which the leader held published verified-work evidence it had not settled yet when it
     # planned (issue 28, session 47): they lead nothing in the next round (round.planning.next_leaders), a function
     # of this plan alone, the same at every peer that obtained it. Sorted, no duplicates, never the leader, at most
-    # max_accused(participants); left out of the JSON while empty (0.15.0, docs/compat.md).
+    # max_accused (one); left out of the JSON while empty (0.15.0, docs/compat.md).
     accused: list[str] = Field(default_factory=list)
 
     @field_validator("schema_version")

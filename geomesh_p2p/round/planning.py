@@ -74,18 +74,32 @@ def next_leaders(plan: RoundPlan) -> list[frozenset]:
     after all three held verdicts (out from 7). A leader names the participants against which it holds published
     evidence it has not settled, so the accused leads nothing in the next round, where a leader that holds the
     verdict leaves it out. Never a refusal of a participant: naming costs leading one round. A rogue leader naming
-    honest peers removes at most ``max_accused`` of them (the schema bounds it) from one round's draw, and when its
-    names would leave none of a peer's candidates, the level without them is taken (no round without a leader)."""
+    an honest peer removes one (``max_accused``, the schema bounds it) from one round's draw, and when its name would
+    leave none of a peer's candidates, the level without it is taken; after a whole attempt at the round with no plan
+    (a silent candidate holds the first level), the first level no longer applies (:func:`last_round_leaders`'s
+    ``missed``), so a named peer can still take over as the last resort (red team 47)."""
     took = frozenset(plan.participants())
     others = took - {plan.leader}
     return [others - frozenset(getattr(plan, "accused", ()) or ()), others, took]
 
 
-def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[str]) -> Optional[frozenset]:
+def last_round_leaders(
+    seen: Optional[RoundPlan], r: int, candidates: Sequence[str], missed: bool = False
+) -> Optional[frozenset]:
     """Who may lead round ``r``: the participants of round ``r - 1``'s plan ``seen`` (the plan this peer obtained
     for it, followed or not) other than its leader and those it names as accused (:func:`next_leaders`), when one
     of ``candidates`` is among them; else with the accused; with its leader when no other candidate is; None (no
     such rule this round) when ``seen`` is of another round or names none of them.
+
+    ``missed``: this peer's earlier attempt at round ``r`` (same state) ended with no plan at all. The level without
+    the accused is then skipped (the accused may lead, its leader still not while another took part). Red team 47:
+    the rogue leader of round r - 1 names the only other honest established peer X, its colluder Y stays live and
+    publishes nothing; every peer takes the level {Y}, and X's last-resort plan was refused as content, so no plan
+    appeared while Y's record lived. The first level is a function of the plan but whether its candidate publishes
+    is not: after a whole attempt without a plan every peer that gets there skips it alike. No fork: a peer still
+    in its first attempt refuses X's plan (absent), so it follows a plan of the first level or none; X publishes
+    only as a last resort (after every candidate's turn, never once a member's plan it does not ignore was read),
+    and every peer that accepts X's plan accepts the first level's plans too (a subset) and ranks them the same.
 
     Why (session 29): a peer that verified work excludes is left out of the plans of the leaders that hold the
     verdict, but stays established in everyone's standing for the window's rounds, so it kept leading the rounds
@@ -102,7 +116,7 @@ def last_round_leaders(seen: Optional[RoundPlan], r: int, candidates: Sequence[s
     hands the next one to somebody else, and a leader holding the verdict leaves it out of the round after."""
     if seen is None or seen.round != r - 1:
         return None
-    for took in next_leaders(seen):
+    for took in next_leaders(seen)[1:] if missed else next_leaders(seen):
         if any(c in took for c in candidates):
             return took
     return None
@@ -137,6 +151,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
     members, candidates = drv.policy.leader_candidates(ctx.members, live)
     took = last_round_leaders(drv._plan_seen, r, candidates)
+    # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
+    # the first level, red team 47): as last resorts only (the candidates, whose turns come first, are kept), so
+    # a plan of the first level, where one appears, is the one every peer follows.
+    missed = drv._plan_misses[:2] == (r, drv.state.digest) and drv._plan_misses[2] >= 1
+    may_lead = last_round_leaders(drv._plan_seen, r, candidates, missed=True) if missed else took
     if took is not None:
         candidates = [c for c in candidates if c in took]
     refused_before = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
@@ -191,13 +210,15 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 ctx.early_plan, ctx.early_abort = p, threading.Event()
                 ctx.early = asyncio.ensure_future(inner_steps(drv, ctx, p, ctx.early_abort))
 
-        resort = last_resort(drv, r, members, candidates)
+        resort = last_resort(drv, r, members, candidates, may_lead)
         try:
             plan = await drv.plans.agree(
                 r,
                 members,
                 make_plan,
-                accept=lambda p: lead_problem(p, took) or drv.policy.plan_problem(p, known_view(live, leaving, recent)),
+                accept=lambda p: (
+                    lead_problem(p, may_lead) or drv.policy.plan_problem(p, known_view(live, leaving, recent))
+                ),
                 # the plans accept could take (their leader must be in this view): the others stay unread
                 leaders=lambda: known_view(live, leaving, recent),
                 candidates=candidates,
@@ -302,7 +323,13 @@ def left_alone_in_plan(drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, lea
     )
 
 
-def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> list[str]:
+def last_resort(
+    drv: RoundDriver,
+    r: int,
+    members: Sequence[PeerRecord],
+    candidates: Sequence[str],
+    may_lead: Optional[frozenset] = None,
+) -> list[str]:
     """The members that are no leader candidates (this peer among them) when this peer must publish a plan
     itself if no candidate does (``last_resort`` of
     :func:`~geomesh_p2p.plan.agree.obtain_plan`), else ``[]``.
@@ -316,9 +343,13 @@ def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candida
     candidate becomes the last resort: it publishes after every candidate's turn has passed with no
     plan read, refused ones included (docs/round.md, "Leader election when nobody leads"). A healthy
     established leader publishes within its turn of the first attempt, so a newcomer following it never
-    gets there (the young-swarm rule holds); one WARNING per round."""
+    gets there (the young-swarm rule holds); one WARNING per round.
+
+    ``may_lead``: who may lead this round (:func:`last_round_leaders`, None: anyone). A member outside it is no last
+    resort: every peer refuses its plan as content (red team 47: round r - 1's leader, a last resort too, ranked
+    before the accused, and its refused plan would only have delayed the accused's)."""
     member_ids = {m.peer_id for m in members}
-    if drv.me in candidates or drv.me not in member_ids:
+    if drv.me in candidates or drv.me not in member_ids or (may_lead is not None and drv.me not in may_lead):
         return []
     if drv._plan_misses[:2] != (r, drv.state.digest) or drv._plan_misses[2] < 1:
         return []
@@ -341,7 +372,7 @@ def last_resort(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candida
     # Every member that is no candidate, not only this peer: obtain_plan ranks them among themselves, so
     # two last resorts publish a stagger apart and the second follows the first's plan (review: with
     # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round).
-    return sorted(member_ids - set(candidates))
+    return sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
 
 
 async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -> None:

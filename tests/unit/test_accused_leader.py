@@ -108,12 +108,15 @@ def test_a_rogue_leader_naming_honest_peers_costs_them_one_rounds_lead_and_never
     # a peer whose only candidates are the named ones takes them anyway, never the rogue leader, never nobody
     assert last_round_leaders(rogue, 6, [h0, a0]) == frozenset([h0, h1, h2])
     assert next_leaders(rogue) == [frozenset([h1, h2]), frozenset(honest), frozenset([a0, *honest])]
-    # bounded: at most a tenth of the participants (one at 4 peers); a plan naming more is malformed (ignored as
-    # absent by every follower), as is one naming its leader, a non-participant, or an unsorted list
+    # bounded: one name per plan (red team 47: targeted names); a plan naming more is malformed (ignored as absent
+    # by every follower), as is one naming its leader, a non-participant, or an unsorted list
     for bad in ([h0, h1] if h0 < h1 else [h1, h0], [a0], ["peer-x"], sorted([h0, h1])[::-1]):
         with pytest.raises(pydantic.ValidationError):
             _plan(5, a0, [a0, *honest], accused=bad)
-    assert [max_accused(n) for n in (1, 4, 19, 20, 256)] == [1, 1, 1, 2, 25]
+    assert [max_accused(n) for n in (1, 4, 19, 20, 256)] == [1, 1, 1, 1, 1]
+    ids = sorted(f"p{i:02d}" for i in range(20))
+    with pytest.raises(pydantic.ValidationError):  # two names at 20 peers: malformed since red team 47
+        _plan(5, ids[0], ids, accused=ids[1:3])
 
 
 def test_the_field_is_absent_while_empty_and_round_trips_on_the_wire():
@@ -161,7 +164,7 @@ def test_the_leader_names_the_participants_unsettled_hard_evidence_accuses():
     assert work.accused(round_5) == []  # no verifier built yet: nothing read
     work.verifier = ex  # type: ignore[assignment]
     assert work.accused(round_5) == [a0]
-    # the cap: one at 4 peers, the most accused first
+    # the cap: one name, the most accused first
     both = _exchange(h1, {2: round_2}, [(h2, a0, 2, FAIL), (h0, a0, 2, FAIL), (a0, h2, 2, FAIL)])
     work.verifier = both  # type: ignore[assignment]
     assert work.accused(round_5) == [a0]
