@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -144,6 +143,20 @@ def unpack_packets(blob: bytes) -> dict[str, dict[int, Any]]:
     return out
 
 
+#: The probe t an unmeasured screen is ordered by (:func:`probe_order`): a neutral place, not the last one.
+UNMEASURED_PROBE_T = 0.0
+
+
+def probe_order(accused: Sequence[str], ts: Mapping[str, float]) -> list[str]:
+    """The order a round's screens run in (``accused``: their PeerIDs in drawn order; ``ts``: the probe t of those
+    measured, :meth:`Screening.probe_ts`): lowest t first, stable among equals; one without a probe t (too few steps to
+    stage, settled, a part not held) ranks as t :data:`UNMEASURED_PROBE_T`, after those the probe suspects (t < 0) and
+    before those it clears. Why not last (session 47's combined runs, run p4): a poisoner that trained 7 steps could
+    not be staged, so its screen ran after the probe and both honest screens at all three screeners (4.6-6.4 s
+    queued), and its verdict came a round later: an unmeasured screen is no more likely honest than a measured one."""
+    return sorted(accused, key=lambda a: ts.get(a, UNMEASURED_PROBE_T))
+
+
 class Screening:
     """The screening side of :class:`~geomesh_p2p.trust.verify.WorkVerifier` (see the module docstring). Uses the
     verifier's ``cfg``, ``me``, ``queue``, ``_kept``, ``_weights``, ``_compute``, ``_packets``, ``selection``,
@@ -247,15 +260,13 @@ class Screening:
 
         def run(pace: Pacer) -> None:
             ts = self.probe_ts(preps, pace)
-            order = sorted(range(len(preps)), key=lambda i: ts.get(preps[i].task.accused, math.inf))
+            accused = probe_order([p.task.accused for p in preps], ts)
             log.info(  # the probe's t is the same at every screener (the same rows): a misorder is everyone's
                 "round %d: screens ordered by their probes: %s",
                 preps[0].round,
-                ", ".join(
-                    f"{preps[i].task.accused[:10]} t {ts.get(preps[i].task.accused, math.inf):.2f}" for i in order
-                ),
+                ", ".join(f"{a[:10]} t " + (f"{ts[a]:.2f}" if a in ts else "unmeasured") for a in accused),
             )
-            self.queue.reorder([(preps[i].round, preps[i].task.accused) for i in order])
+            self.queue.reorder([(preps[0].round, a) for a in accused])
 
         return run
 

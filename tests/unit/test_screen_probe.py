@@ -146,3 +146,17 @@ def test_the_probe_runs_the_poisoners_screen_first_and_its_rows_are_the_first_st
         assert with_probe == counted.batches - 2 - 2 - 2  # A's batch (2), its 2 controls after (2) and before (2)
     finally:
         wv.close()
+
+
+def test_an_unmeasured_screen_runs_after_the_suspects_and_before_the_cleared():
+    """Session 47's combined run p4: the poisoner trained 7 steps, too few to stage, so its screen had no probe t and
+    ran after both honest screens at every screener (ordered last before). It now ranks as t 0: after a suspect
+    (t < 0), before every screen the probe cleared (t > 0); equal ts keep their drawn order."""
+    from geomesh_p2p.trust.verify_screen import UNMEASURED_PROBE_T, probe_order
+
+    assert UNMEASURED_PROBE_T == 0.0
+    drawn = ["h-clear", "a-unstaged", "s-suspect", "h-weak", "b-unstaged"]
+    ts = {"h-clear": 1.49, "s-suspect": -0.62, "h-weak": 0.08}
+    assert probe_order(drawn, ts) == ["s-suspect", "a-unstaged", "b-unstaged", "h-weak", "h-clear"]
+    assert probe_order(drawn, {}) == drawn  # nothing measured: the drawn order
+    assert probe_order([], ts) == []
