@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import struct
+from array import array
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence
 
@@ -655,24 +656,36 @@ def gain_steps(task: "VerifyTask", n: int) -> tuple[int, ...]:
     return tuple(sorted(gain_order(task, n)))
 
 
-def _randperm_prefix(total: int, n: int, seed: int) -> list[int]:
-    """``torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n]`` (as ints), without the ``[total]``
-    permutation (issue 27, session 41: its int32 copy, 356 MB at 89M elements, was the rest of a check's peak).
+def _randperm_prefix(total: int, n: int, seed: int) -> torch.Tensor:
+    """``torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n]`` (int64 ``[n]``), without the
+    ``[total]`` permutation (issue 27, session 41: its int32 copy, 356 MB at 89M elements, was the rest of a check's peak).
 
     torch's CPU ``randperm`` is Fisher-Yates over the generator's raw 32-bit MT19937 draws: step ``i`` swaps
     positions ``i`` and ``i + draw_i % (total - i)``, and no later step touches position ``i``, so the first ``n``
     values need only the first ``n`` draws and the positions they moved (a dict). The draws are those of the same
     MT19937 seeded with the low 32 bits of ``seed``, as torch seeds it (numpy's legacy ``RandomState``).
-    ``tests/unit/test_check_model.py`` compares it with ``torch.randperm``; ``n < total < 2**31``."""
-    draws = np.random.RandomState(seed & 0xFFFFFFFF).randint(0, 2**32, size=n, dtype=np.uint64).tolist()
+    ``tests/unit/test_check_model.py`` compares it with ``torch.randperm``; ``n < total < 2**31``.
+
+    No single call over all ``n`` values holds the GIL (session 47): this runs in ``geomesh-verify`` beside the event
+    loop, and at ``n = 2**18`` ``sorted(list)`` and ``torch.tensor(list)`` each held it 70-210 ms (one C call: the
+    interpreter's 5 ms switch interval does not apply), the loop's stalls. The draws go to Python ints in chunks of
+    :data:`_DRAW_CHUNK`, the values into an ``array('q')`` one at a time, and the tensor is made from its buffer."""
+    if n <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    draws = np.random.RandomState(seed & 0xFFFFFFFF).randint(0, 2**32, size=n, dtype=np.uint64)
     moved: dict[int, int] = {}
-    out = []
-    for i, d in enumerate(draws):
-        j = i + d % (total - i)
-        vi, vj = moved.get(i, i), moved.get(j, j)
-        moved[j] = vi  # position i is final after this step: only j keeps a record
-        out.append(vj)
-    return out
+    out = array("q")
+    for c in range(0, n, _DRAW_CHUNK):
+        for i, d in enumerate(draws[c : c + _DRAW_CHUNK].tolist(), c):
+            j = i + d % (total - i)
+            vi, vj = moved.get(i, i), moved.get(j, j)
+            moved[j] = vi  # position i is final after this step: only j keeps a record
+            out.append(vj)
+    return torch.frombuffer(out, dtype=torch.int64).clone()  # clone: a tensor that owns its memory, not the array's
+
+
+#: draws turned into Python ints per call in :func:`_randperm_prefix` (~0.5 ms of GIL each; 2**18 at once: ~16 ms)
+_DRAW_CHUNK = 8192
 
 
 def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> torch.Tensor:
@@ -686,7 +699,7 @@ def sample_elements(ranges: Sequence[tuple[int, int]], n: int, seed: int) -> tor
     if total <= n:
         pos = torch.arange(total, dtype=torch.int64)
     elif total < 2**31 and 0 <= int(seed) < 2**64:
-        pos = torch.tensor(sorted(_randperm_prefix(total, n, int(seed))), dtype=torch.int64)
+        pos = _randperm_prefix(total, n, int(seed)).sort().values  # a torch op: sorts without the GIL
     else:
         g = torch.Generator(device="cpu")
         g.manual_seed(int(seed))

@@ -130,7 +130,7 @@ def test_the_permutations_prefix_is_torchs_without_the_permutation(monkeypatch):
 
     for total, n, seed in [(1000, 999, 0), (5_000_000, 4096, 2**40 + 5), (20_000_000, 512, 2**63 - 1), (17, 16, 3)]:
         want = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n].tolist()
-        assert VT._randperm_prefix(total, n, seed) == want, (total, n, seed)
+        assert VT._randperm_prefix(total, n, seed).tolist() == want, (total, n, seed)
     ranges = [(0, 3000), (5000, 90_001)]
     want = VT.sample_elements(ranges, 1000, 11)
 
@@ -169,3 +169,37 @@ def test_a_check_holds_one_parameters_gradient_at_a_time_with_the_same_bits(ds, 
         accumulate(ref, x, 2, torch.device("cpu"), False)
         flat = torch.cat([p.grad.reshape(-1) for _, p in ref.named_parameters()])
         assert torch.equal(_bits(got[i]), _bits(flat[index]))
+
+
+def _old_sample_positions(total: int, n: int, seed: int) -> torch.Tensor:
+    """Session 41's positions (a list, ``sorted``, ``torch.tensor``): what session 47 changed holds the same bits."""
+    import numpy as np
+
+    draws = np.random.RandomState(seed & 0xFFFFFFFF).randint(0, 2**32, size=n, dtype=np.uint64).tolist()
+    moved: dict[int, int] = {}
+    out = []
+    for i, d in enumerate(draws):
+        j = i + d % (total - i)
+        vi, vj = moved.get(i, i), moved.get(j, j)
+        moved[j] = vi
+        out.append(vj)
+    return torch.tensor(sorted(out), dtype=torch.int64)
+
+
+@pytest.mark.timeout(120)
+def test_sample_elements_at_gpt2_size_draws_what_the_list_version_drew():
+    """Session 47: the draw without a GIL-holding ``sorted``/``torch.tensor`` over 2^18 values picks the same elements
+    (same bits, same dtype) as before, at gpt2-124m's size, and across several draw chunks."""
+    from geomesh_p2p.trust import verify_task as VT
+
+    total, n = 124_439_808, 1 << 18
+    ranges = [(0, 50_000_000), (60_000_000, 134_439_808)]
+    for seed in (0, 2**40 + 5, 2**63 - 1):
+        pos = _old_sample_positions(total, n, seed)
+        starts, offsets = torch.tensor([0, 60_000_000]), torch.tensor([0, 50_000_000])
+        which = torch.searchsorted(offsets, pos, right=True) - 1
+        got = VT.sample_elements(ranges, n, seed)
+        assert got.dtype == torch.int64 and torch.equal(got, starts[which] + (pos - offsets[which])), seed
+    assert VT._randperm_prefix(100, 0, 1).shape == (0,)
+    for n in (1, VT._DRAW_CHUNK - 1, VT._DRAW_CHUNK, VT._DRAW_CHUNK + 1):
+        assert torch.equal(VT._randperm_prefix(10**6, n, 9).sort().values, _old_sample_positions(10**6, n, 9)), n
