@@ -357,17 +357,32 @@ async def initial_state(node: PeerNode) -> None:
             0, flat_params(node.model, out=started(node.gstate).theta), started(node.gstate).opt_state.zero_()
         )
     )
-    recs = [r for r in await node.peers() if r.peer_id != node.me]
+    everyone = [r for r in await node.peers(include_leaving=True) if r.peer_id != node.me]
+    recs = [r for r in everyone if not r.leaving]
     if any(r.round > 0 and r.weights_digest for r in recs):
-        try:
-            await node.resync.catch_up()
-        except StateSyncError:
-            if not await continue_if_holders_gone(node):
-                raise
-        else:
-            await continue_if_holders_gone(node)
+        await _catch_up_or_own(node)
     elif not recs:
         await node._on_empty_swarm()
+        if (
+            node.round == 0
+            and node.cfg.on_empty_swarm != "seed"
+            and any(r.round > 0 and r.weights_digest for r in everyone)
+        ):
+            # only leaving records, a bootstrap not knowing the run past round 0 yet (restarted 1 s after the run
+            # ended): the catch-up the first round would start, now, so that its checkpoint may be taken instead
+            await _catch_up_or_own(node)
+
+
+async def _catch_up_or_own(node: PeerNode) -> None:
+    """The fresh peer's catch-up; when it adopted nothing because no holder answered, its own checkpoint
+    (:func:`continue_if_holders_gone`). Raises the catch-up's StateSyncError when that did not apply."""
+    try:
+        await node.resync.catch_up()
+    except StateSyncError:
+        if not await continue_if_holders_gone(node):
+            raise
+    else:
+        await continue_if_holders_gone(node)
 
 
 def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:

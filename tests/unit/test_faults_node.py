@@ -463,16 +463,17 @@ async def test_a_peer_refused_before_it_took_the_runs_state_writes_no_checkpoint
 
 
 @pytest.mark.parametrize(
-    "ckpt_round, unanswered, raises, continued",
+    "ckpt_round, unanswered, raises, continued, leaving",
     [
-        (7, 7, False, True),  # the holders' record exited (its dial-back refused): its own checkpoint of round 7
-        (7, 7, True, True),  # downloads refused at the connection until the catch-up gave up
-        (5, 7, False, False),  # its checkpoint is behind the run: the seed's state, as before
-        (7, None, False, False),  # a holder answered with another state: not its checkpoint
+        (7, 7, False, True, False),  # the holder exited (its dial-back refused): its own checkpoint of round 7
+        (7, 7, False, True, True),  # its leaving record only, the bootstrap knowing no round yet: the same
+        (7, 7, True, True, False),  # downloads refused at the connection until the catch-up gave up
+        (5, 7, False, False, False),  # its checkpoint is behind the run: the seed's state, as before
+        (7, None, False, False, False),  # a holder answered with another state: not its checkpoint
     ],
 )
 async def test_a_fresh_peer_whose_state_holders_all_left_continues_from_its_checkpoint_of_the_runs_round(
-    monkeypatch, tmp_path, ckpt_round, unanswered, raises, continued
+    monkeypatch, tmp_path, ckpt_round, unanswered, raises, continued, leaving
 ):
     """Fresh user 47: two peers ran --rounds 2 with --checkpoint-dir; one restarted 1 s later without --resume read
     the other's record (not leaving: it had just exited), whose address did not answer, and trained the seed's state
@@ -480,7 +481,12 @@ async def test_a_fresh_peer_whose_state_holders_all_left_continues_from_its_chec
     and its checkpoint holds the run's known round, it continues from it, as with an empty swarm."""
     from geomesh_p2p.sync.download import StateSyncError
 
-    node, calls = _empty_swarm_node(monkeypatch, None, peers_seq=[[_rec("PeerGone", 7)]], checkpoint_dir=str(tmp_path))
+    node, calls = _empty_swarm_node(
+        monkeypatch,
+        None,
+        peers_seq=[[_rec("PeerGone", 7).model_copy(update={"leaving": leaving})]],
+        checkpoint_dir=str(tmp_path),
+    )
     node.state_numel = 4
     theta, mom = torch.arange(4, dtype=torch.float32), torch.full((4,), 0.5)
     gstate.save_checkpoint(
