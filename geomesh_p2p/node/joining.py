@@ -26,6 +26,7 @@ from geomesh_p2p.model.build import flat_params
 from geomesh_p2p.model.inner_ckpt import load_inner_state
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.sync.download import StateSyncError
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.standing import Standing
 from geomesh_p2p.util.aio import wait_event
@@ -62,6 +63,7 @@ __all__ = [
     "warn_if_resumed_behind",
     "refuse_remembered_config",
     "on_empty_swarm",
+    "continue_if_holders_gone",
 ]
 
 #: Longest pause between two looks for a live peer while ``--on-empty-swarm wait`` waits (seconds).
@@ -355,11 +357,32 @@ async def initial_state(node: PeerNode) -> None:
             0, flat_params(node.model, out=started(node.gstate).theta), started(node.gstate).opt_state.zero_()
         )
     )
-    recs = [r for r in await node.peers() if r.peer_id != node.me]
+    everyone = [r for r in await node.peers(include_leaving=True) if r.peer_id != node.me]
+    recs = [r for r in everyone if not r.leaving]
     if any(r.round > 0 and r.weights_digest for r in recs):
-        await node.resync.catch_up()
+        await _catch_up_or_own(node)
     elif not recs:
         await node._on_empty_swarm()
+        if (
+            node.round == 0
+            and node.cfg.on_empty_swarm != "seed"
+            and any(r.round > 0 and r.weights_digest for r in everyone)
+        ):
+            # only leaving records, a bootstrap not knowing the run past round 0 yet (restarted 1 s after the run
+            # ended): the catch-up the first round would start, now, so that its checkpoint may be taken instead
+            await _catch_up_or_own(node)
+
+
+async def _catch_up_or_own(node: PeerNode) -> None:
+    """The fresh peer's catch-up; when it adopted nothing because no holder answered, its own checkpoint
+    (:func:`continue_if_holders_gone`). Raises the catch-up's StateSyncError when that did not apply."""
+    try:
+        await node.resync.catch_up()
+    except StateSyncError:
+        if not await continue_if_holders_gone(node):
+            raise
+    else:
+        await continue_if_holders_gone(node)
 
 
 def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
@@ -589,6 +612,37 @@ async def _own_checkpoint(node: PeerNode):
         return None
 
 
+async def _continue_from_own(node: PeerNode, own, known: int, why: str) -> bool:
+    """Take ``own`` (:func:`_own_checkpoint`'s tuple, or None) when it holds round ``known`` or later of this run
+    config, saying so in one INFO line ending with ``why``; False (nothing taken) otherwise."""
+    if own is None or own[0] < known or own[3].get("run_config_hash") not in (None, node.config_hash):
+        return False
+    log.info(
+        "this peer's checkpoint in %s holds round %d, %s: continuing from it", node.cfg.checkpoint_dir, own[0], why
+    )
+    await resume_from(node, own)
+    return True
+
+
+async def continue_if_holders_gone(node: PeerNode) -> bool:
+    """After a fresh peer's catch-up that adopted nothing because every peer announcing a state past round 0 did
+    not answer (no connection: they exited, their records outliving them by a TTL; ``StateSync.unanswered``):
+    continue from ``--checkpoint-dir``'s newest checkpoint when it holds the round the run is known at (those
+    records' round, a bootstrap's), as :func:`on_empty_swarm` does (fresh user 47: a peer restarted 1 s after a
+    two-peer run ended trained the seed alone, exit 3, its checkpoint of the run's last round unused). True when
+    it did; a state that answered differently, or a checkpoint behind, changes nothing."""
+    silent = node.resync.unanswered
+    if silent is None or node.round > 0:
+        return False
+    prog = await swarm_progress(started(node.dht), node.run_cfg.run_id)
+    known = max(silent, node.rs.known_round, prog.round if prog is not None else 0)
+    why = f"at or past round {known}, the run's, whose peers do not answer (no connection: they left)"
+    if not await _continue_from_own(node, await _own_checkpoint(node), known, why):
+        return False
+    node.rs.known_round = max(node.rs.known_round, known)  # the whole swarm: it holds the run's known round
+    return True
+
+
 def refuse_remembered_config(node: PeerNode, prog) -> None:
     """Raise IncompatibleSwarmError when ``prog`` (a bootstrap's :class:`~geomesh_p2p.dht.progress.SwarmProgress`
     of a run past round 0) names another run config than this peer's: the remembered swarm's peers would refuse
@@ -660,15 +714,9 @@ async def on_empty_swarm(node: PeerNode) -> None:
         await resume_from(node, ck)
         return
     own = await _own_checkpoint(node)
-    if own is not None and own[0] >= prog.round and own[3].get("run_config_hash") in (None, node.config_hash):
-        # This peer holds the run's last state itself (a fresh-user trial re-ran the README's one-machine swarm
-        # with the same run id: every peer waited for a peer of the run, none announced, for good).
-        log.info(
-            "this peer's checkpoint in %s holds round %d, the round the run was at: continuing from it",
-            node.cfg.checkpoint_dir,
-            own[0],
-        )
-        await resume_from(node, own)
+    # This peer holds the run's last state itself (a fresh-user trial re-ran the README's one-machine swarm with
+    # the same run id: every peer waited for a peer of the run, none announced, for good).
+    if await _continue_from_own(node, own, prog.round, "the round the run was at"):
         return
     events.emit(
         log,

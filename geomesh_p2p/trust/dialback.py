@@ -27,7 +27,7 @@ from geomesh_p2p.wire import state_pb2
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DialBack", "DIAL_TIMEOUT_S", "DIAL_CONCURRENCY"]
+__all__ = ["DialBack", "DIAL_TIMEOUT_S", "DIAL_CONCURRENCY", "NO_CONNECTION", "no_connection"]
 
 #: Deadline of one dial-back (seconds): a Status call is a few hundred bytes each way.
 DIAL_TIMEOUT_S = 3.0
@@ -37,6 +37,14 @@ DIAL_CONCURRENCY = 16
 #: several times within a round.
 OK_TTL_S = 60.0
 FAIL_TTL_S = 10.0
+#: How :meth:`DialBack.problem`'s reason ends when no connection reached the address (refused, no route:
+#: ``RpcError.unreachable``): its peer most likely exited, its record outliving it by a TTL.
+NO_CONNECTION = "(no connection)"
+
+
+def no_connection(why: str) -> bool:
+    """``why`` (a :meth:`DialBack.problem` reason) says that no connection reached the record's address."""
+    return why.endswith(NO_CONNECTION)
 
 
 class _Caller(Protocol):
@@ -80,7 +88,8 @@ class DialBack:
             try:
                 reply = await self.transport.call(rec.address, STATE_STATUS, b"", timeout=self.timeout_s)
             except Exception as e:  # RpcError, or a malformed address: the record does not vote
-                return f"its address {rec.address} did not answer ({type(e).__name__})"
+                why = NO_CONNECTION if getattr(e, "unreachable", False) else f"({type(e).__name__})"
+                return f"its address {rec.address} did not answer {why}"
         if str(reply.sender) != rec.peer_id:
             return f"its address {rec.address} answers as {str(reply.sender)[:10]}, not as {rec.peer_id[:10]}"
         try:

@@ -460,3 +460,58 @@ async def test_a_peer_refused_before_it_took_the_runs_state_writes_no_checkpoint
     with pytest.raises(IncompatibleSwarmError):
         await node.run()
     assert shut == [True] and not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    "ckpt_round, unanswered, raises, continued, leaving",
+    [
+        (7, 7, False, True, False),  # the holder exited (its dial-back refused): its own checkpoint of round 7
+        (7, 7, False, True, True),  # its leaving record only, the bootstrap knowing no round yet: the same
+        (7, 7, True, True, False),  # downloads refused at the connection until the catch-up gave up
+        (5, 7, False, False, False),  # its checkpoint is behind the run: the seed's state, as before
+        (7, None, False, False, False),  # a holder answered with another state: not its checkpoint
+    ],
+)
+async def test_a_fresh_peer_whose_state_holders_all_left_continues_from_its_checkpoint_of_the_runs_round(
+    monkeypatch, tmp_path, ckpt_round, unanswered, raises, continued, leaving
+):
+    """Fresh user 47: two peers ran --rounds 2 with --checkpoint-dir; one restarted 1 s later without --resume read
+    the other's record (not leaving: it had just exited), whose address did not answer, and trained the seed's state
+    alone (exit 3), its own checkpoint of round 2 unused. When every holder of a state did not answer (no connection)
+    and its checkpoint holds the run's known round, it continues from it, as with an empty swarm."""
+    from geomesh_p2p.sync.download import StateSyncError
+
+    node, calls = _empty_swarm_node(
+        monkeypatch,
+        None,
+        peers_seq=[[_rec("PeerGone", 7).model_copy(update={"leaving": leaving})]],
+        checkpoint_dir=str(tmp_path),
+    )
+    node.state_numel = 4
+    theta, mom = torch.arange(4, dtype=torch.float32), torch.full((4,), 0.5)
+    gstate.save_checkpoint(
+        tmp_path, round=ckpt_round, theta=theta, momentum=mom, meta={"run_config_hash": node.config_hash}
+    )
+
+    async def no_check(node):
+        pass
+
+    async def catch_up():
+        calls["catch_up"] += 1
+        node.resync.unanswered = unanswered
+        if raises:
+            raise StateSyncError("could not download the swarm's state after 3 attempt(s)")
+
+    monkeypatch.setattr(joining_mod, "check_swarm", no_check)
+    monkeypatch.setattr(joining_mod, "flat_params", lambda model, out: out)
+    node.resync.catch_up = catch_up  # type: ignore[method-assign]
+    node.model, node.gstate = None, SimpleNamespace(theta=torch.zeros(4), opt_state=torch.ones(4))
+    if raises and not continued:
+        with pytest.raises(StateSyncError):
+            await asyncio.wait_for(joining_mod.initial_state(node), 10)
+    else:
+        await asyncio.wait_for(joining_mod.initial_state(node), 10)
+    assert calls["catch_up"] == 1 and calls["set_state"][0][0] == 0  # the seed first, then the download's try
+    assert [s[0] for s in calls["set_state"][1:]] == ([7] if continued else [])
+    if continued:
+        assert torch.equal(calls["set_state"][1][1], theta) and node.rs.known_round == 7

@@ -228,6 +228,7 @@ async def test_a_catch_up_gives_up_on_donors_that_all_refuse_the_connection(monk
         await sync.catch_up()
     assert tries == [7] * UNREACHABLE_ATTEMPTS and UNREACHABLE_ATTEMPTS < STATE_SYNC_ATTEMPTS
     assert node.state.round == 0
+    assert sync.unanswered == 7  # the round its holders announce, none answering: node/joining.py may continue
 
 
 async def test_donors_that_announced_leaving_and_refuse_the_connection_are_asked_once(monkeypatch):
@@ -248,8 +249,61 @@ async def test_donors_that_announced_leaving_and_refuse_the_connection_are_asked
     assert [(e["round"], sorted(e["donors"])) for e in said] == [(15, sorted(r.peer_id for r in left))]
     assert "keeps the state it holds, round 10, not the swarm's" in said[0]["message"]
     assert node.state.round == 10 and sync.swarm_round(left) is None and not await sync.behind()
+    assert sync.unanswered == 15
     back = [left[0].model_copy(update={"leaving": False, "timestamp": left[0].timestamp + 60})] + left[1:]
     assert sync.swarm_round(back) == 15  # restarted: its new record votes again
+
+
+async def test_a_donor_that_answers_with_another_state_is_no_donor_gone(monkeypatch):
+    """A download refused by a donor that answered (a digest of another state, not a lost connection) leaves
+    ``unanswered`` unset: a fresh peer must not continue from its own checkpoint then (node/joining.py)."""
+    from geomesh_p2p.sync.download import StateSyncError
+    import geomesh_p2p.round.rules.state_sync as rs
+    import geomesh_p2p.sync.download as ss
+
+    _, honest = _honest(round=7, digest="honest")
+    node = _node(round=0, digest="seed", trained=False)
+    sync, _ = _sync_of_gone_donors(monkeypatch, node, honest)
+
+    async def other_state(transport, donors, **kw):
+        raise StateSyncError("piece 0: digest mismatch (the donor holds another state)")
+
+    monkeypatch.setattr(ss, "download_state", other_state)
+    monkeypatch.setattr(rs, "STATE_SYNC_ATTEMPTS", 2)
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(rs.asyncio, "sleep", lambda s: real_sleep(0))
+    with pytest.raises(StateSyncError):
+        await sync.catch_up()
+    assert sync.unanswered is None and node.state.round == 0
+
+
+@pytest.mark.parametrize("unreachable, silent", [(True, 7), (False, None)])
+async def test_a_fresh_vote_whose_every_address_refuses_the_connection_says_its_round(monkeypatch, unreachable, silent):
+    """Fresh user 47: a fresh peer restarted 1 s after the run ended read the other peer's record (not leaving, it had
+    just exited); its address refused the dial-back, so the vote had no state and the peer kept the seed's. The
+    catch-up says the round nobody answered for (``unanswered``) when no connection reached any holder; an address
+    that did answer, or failed otherwise (a timeout), is no peer gone."""
+    import grpc
+
+    import geomesh_p2p.round.rules.state_sync as rs
+    from geomesh_p2p.net.transport import RpcError
+
+    _, honest = _honest(round=7, digest="honest", delivered=0)
+
+    class Refusing:
+        async def call(self, address, method, payload, *, timeout=None):
+            code = grpc.StatusCode.UNAVAILABLE if unreachable else grpc.StatusCode.DEADLINE_EXCEEDED
+            raise RpcError(address, method, code, "refused", unreachable=unreachable)
+
+    async def peers(include_leaving=False):
+        return honest
+
+    monkeypatch.setattr(rs, "NO_MAJORITY_RETRIES", 1)
+    node = _node(round=0, digest="seed", trained=False)
+    transport = Refusing()
+    sync = _sync(node.state, peers=peers, transport=lambda: transport)
+    await sync.catch_up()
+    assert (sync.unanswered, node.state.round) == (silent, 0)
 
 
 def test_young_swarm_counts_addresses_not_identities():

@@ -23,7 +23,7 @@ from geomesh_p2p.schema.peer import MAX_LINK_BPS, SyncProgress
 from geomesh_p2p.sync.progress import SyncMeter
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnce
-from geomesh_p2p.trust.dialback import DialBack
+from geomesh_p2p.trust.dialback import DialBack, no_connection
 from geomesh_p2p.trust.standing import OnceLog, choose_state, would_adopt
 
 if TYPE_CHECKING:
@@ -139,6 +139,12 @@ class StateSync:
         #: leaving peer serves its state only until it does), so that record neither votes nor donates
         #: (:meth:`state_vote`); a new record of it (restarted) counts again
         self._gone: dict[str, float] = {}
+        #: the round announced by the peers the last :meth:`catch_up` could take the state from when it ended
+        #: adopting nothing because none of them answered (no connection: they exited, their records outliving
+        #: them); None otherwise, e.g. when one answered with another state (node/joining.py: a fresh peer may then
+        #: continue from its own checkpoint of that round)
+        self.unanswered: Optional[int] = None
+        self._silent: Optional[int] = None  # the last vote's: its holders' newest round when none answered a dial
 
     def progress(self) -> Optional[SyncProgress]:
         """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
@@ -182,6 +188,9 @@ class StateSync:
         if self._dialback is None or self._dialback.transport is not transport:
             self._dialback = DialBack(transport)
         kept, dropped = await self._dialback.verified(recs)
+        held = [r for r in recs if r.weights_digest and r.round > 0]
+        if held and all(no_connection(dropped.get(r.peer_id, "")) for r in held):
+            self._silent = max(r.round for r in held)
         for peer, why in dropped.items():
             self._vote_log(
                 ("dialback", peer, why),
@@ -231,6 +240,7 @@ class StateSync:
         downloaded: Optional[state_sync.Snapshot] = None  # the last full download, kept whole
         caught_from: Optional[int] = None  # the round the incremental catch-up started from
         unreachable = 0  # downloads in a row whose donors were all unreachable
+        self.unanswered = None
         try:
             for attempt in range(STATE_SYNC_ATTEMPTS):
                 if self._stop.is_set():
@@ -239,6 +249,7 @@ class StateSync:
                 # stalled while the swarm finished must catch up to it rather than train alone (docs/round.md)
                 recs = [r for r in await self._peers(include_leaving=True) if r.peer_id != self.state.me]
                 recs = self.voters(recs)  # an excluded peer's state is neither voted for nor downloaded
+                self._silent = None
                 vote = self.state_vote(recs)
                 if vote.choice is None or vote.choice.mode != "standing":
                     # a vote of addresses (this peer knows nobody): only those that answer as their records'
@@ -264,6 +275,7 @@ class StateSync:
                         )  # now: keep what was verified against the swarm
                         return
                     self.state.round = held_round if held_digest else start_round  # the round of the state it holds
+                    self.unanswered = self._silent
                     return
                 if held_digest and choice.round < held_round:
                     # The vote backs an OLDER state than the one this peer holds (rs7: the round-10 donors
@@ -406,12 +418,14 @@ class StateSync:
                     )
                 except state_sync.StateSyncError as e:
                     held = held_round if held_digest else start_round
+                    silent = isinstance(e, state_sync.DonorsUnreachable) and self._only_donors(recs, donors)
                     if isinstance(e, state_sync.DonorsUnreachable) and self._left_for_good(recs, donors, top, held):
-                        self.state.round = held
+                        self.state.round, self.unanswered = held, top if silent else None
                         return  # no live donor: this peer goes on from the state it holds (said in one line)
                     # all donors gone (no connection) several times in a row: they have left; anything else resets it
                     unreachable = unreachable + 1 if isinstance(e, state_sync.DonorsUnreachable) else 0
                     if unreachable >= UNREACHABLE_ATTEMPTS:
+                        self.unanswered = top if silent else None
                         log.warning(
                             "state download for round %d: its %d donor(s) did not answer %d times in a row (%s): "
                             "they have left; giving up the download",
@@ -453,6 +467,12 @@ class StateSync:
             self._note_rate()
             self.syncing, self.meter = False, None
             await self._announce()
+
+    @staticmethod
+    def _only_donors(recs: list, donors) -> bool:
+        """Every record in ``recs`` holding a state past round 0 is one of ``donors`` (addresses): no other peer
+        holds a state this one could take instead."""
+        return all(r.address in donors for r in recs if r.weights_digest and r.round > 0)
 
     def _left_for_good(self, recs: list, donors, top: int, held: int) -> bool:
         """After a download whose ``donors`` (addresses) all refused the connection: those whose records in ``recs``
