@@ -135,18 +135,23 @@ def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float
     whole ``wait_peers_s`` short of ``min_peers``. ``synced`` only when it was the whole swarm (``_whole_swarm``): no
     other peer's record was ever read since it started from the seed, or from the round the run was known at with
     only a previous session's leaving records at or behind that state (``RoundDriver.left_before``: the peers that
-    left it there). Else never: with the others' records gone nothing
+    left it there), one of them at that state (its round and digest: a checkpoint past every leaving record is no
+    continuation of theirs that anything shows). Else never: with the others' records gone nothing
     shows where the swarm ended (it may have gone on after the last state it confirmed to this peer), so
     the run is not claimed healthy; the line says whether the swarm confirmed this peer's state (a digest
     check that agreed, or a catch-up adopted it)."""
     r = drv.state.round
     others = [x for x in everyone if x.peer_id != drv.me]
-    if drv._whole_swarm and all(drv.left_before(x) for x in others):
+    r0, d0 = drv._start
+    # Past round 0 a leaving record of the state this session started from must back the claim (red team 47b: records
+    # at earlier rounds, any digest, are left_before too, and nothing ties a checkpoint of a later round to the state
+    # they left: a fork trained alone before, restarted, ended synced, exit 0).
+    backed = r0 <= 0 or any(drv.left_before(x) and (x.round, x.weights_digest) == (r0, d0) for x in others)
+    if drv._whole_swarm and backed and all(drv.left_before(x) for x in others):
         # No other peer ever: nobody else's digest can confirm the state, yet this peer's own rounds made the run's
         # only lineage, so "NOT the swarm's" (exit 3) was wrong (fresh user 46: a sole first peer with --min-peers
         # 3 trained round 0 after the wait, then ended so at round 1). It stops as the swarm it was, synced. So does
         # a peer that took the run up at the round it was known at, after its other peers had left (fresh user 47).
-        r0 = drv._start[0]
         came = (
             "no other peer of the run ever appeared"
             if r0 <= 0

@@ -246,3 +246,90 @@ def test_without_accused_a_miss_changes_nothing_the_last_leader_still_leads_only
     plan = SimpleNamespace(round=4, leader="L", accused=[], participants=lambda: ["L", "X"])
     assert last_round_leaders(plan, 5, ["L", "X"], missed=True) == frozenset({"X"})  # type: ignore[arg-type]
     assert last_round_leaders(plan, 5, ["L"], missed=True) == frozenset({"L", "X"})  # type: ignore[arg-type]
+
+
+# -- lead_problem is a ContentRefusal, but it depends on the round r - 1 plan this peer holds ----------------------
+
+
+async def _lead_fork(established_b: bool) -> tuple[str, str]:
+    """Round 3 at five peers: L led round 2 (rogue) and named X accused; Y (L's colluder, established, live) publishes
+    nothing; B took part in round 2 (a newcomer on probation unless ``established_b``); A sat round 2 out (a refused
+    plan, a DHT miss: ``_plan_seen`` is of round 1), so for A no rule of who may lead applies (``took`` None) and L is
+    one of its candidates. L publishes a plan for round 3: B and X refuse it as content (``lead_problem``: L led the
+    last round), A accepts it. Returns (the leader A follows, the leader B follows)."""
+    from geomesh_p2p.net.identity import Identity
+    from geomesh_p2p.plan.agree import PlanStore, leader_rank, obtain_plan
+    from geomesh_p2p.round.planning import last_resort, lead_problem
+    from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
+
+    while True:  # L ranks before X and B in round 3's order: a peer reading every plan follows L's
+        ident = {name: Identity.generate() for name in "LXYAB"}
+        pid = {name: str(i.peer_id) for name, i in ident.items()}
+        if all(leader_rank(RUN, 3, pid["L"]) < leader_rank(RUN, 3, pid[k]) for k in "XB"):
+            break
+    L, X, Y, A, B = (pid[k] for k in "LXYAB")
+    prev = SimpleNamespace(round=2, leader=L, accused=[X], participants=lambda: sorted({L, X, Y, B}))
+    members = [_record(ident[k], 1.0) for k in "LXYAB"]
+    dht = MemoryDHT()
+    assert await PlanStore(dht.view(), ident["L"], RUN).publish(_planner(3)(members, L))
+    established = [L, X, Y] + ([B] if established_b else [])
+    first = last_round_leaders(prev, 3, established)  # type: ignore[arg-type]
+    assert first == frozenset({Y, B})
+    escalated = last_round_leaders(prev, 3, established, missed=True)  # type: ignore[arg-type]
+    candidates = [c for c in established if c in first]  # Y (and B when established)
+
+    def obtain(name: str, cands: list[str], took, last: list[str]):
+        return obtain_plan(
+            PlanStore(dht.view(), ident[name], RUN),
+            3,
+            members,
+            _planner(3),
+            plan_timeout_s=0.3,
+            settle_s=0.05,
+            candidates=cands,
+            last_resort=last,
+            accept=lambda p: lead_problem(p, took),
+        )
+
+    # A: no round 2 plan, its candidates every established peer (A itself none: it sat out), nothing refused
+    a_plan = await obtain("A", [L, X, Y], None, [])
+    assert a_plan is not None
+    if established_b:
+        # the shape before fix 47: B, a first-level candidate, publishes at its turn (L's plan is absent to it)
+        b_plan = await obtain("B", candidates, first, [])
+    else:
+        # fix 47's shape: B and X get no plan in their first attempt (Y silent, L's absent); in the second the
+        # accused X publishes as last resort (L's plan, refused as content, no longer holds it back); B follows
+        assert await obtain("B", candidates, first, []) is None
+        drv = _escalation_driver(X, 1)
+        resort = last_resort(drv, 3, members, candidates, escalated)  # type: ignore[arg-type]
+        x_plan = await obtain("X", candidates, escalated, resort)
+        assert x_plan is not None and x_plan.leader == X
+        b_resort = last_resort(_escalation_driver(B, 1), 3, members, candidates, escalated)  # type: ignore[arg-type]
+        b_plan = await obtain("B", candidates, escalated, b_resort)
+    assert b_plan is not None
+    return a_plan.leader, b_plan.leader
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (red team 47b): lead_problem is a ContentRefusal but depends on the round r - 1 plan a peer holds; "
+    "a peer without it accepts the plan the others ignore as absent, so the next leader's plan forks the round",
+)
+async def test_a_peer_without_the_last_rounds_plan_follows_the_plan_others_ignore_after_a_miss():
+    """Fix 47's shape: after the miss the accused's last-resort plan is followed by B while A, without round 2's
+    plan, follows L's (published at L's turn in A's view, before anything else). Two honest peers, two plans."""
+    a_leader, b_leader = await _lead_fork(established_b=False)
+    assert a_leader == b_leader
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open before fix 47 too (red team 47b): a first-level candidate's plan beside L's, which a peer without "
+    "the last round's plan accepts and ranks first",
+)
+async def test_a_peer_without_the_last_rounds_plan_follows_the_plan_others_ignore_beside_a_candidates():
+    """The same gap without any miss: B, a candidate of the first level, publishes at its turn; A follows L's plan
+    (L ranks first among the plans A accepts), B its own. Fix 47 adds a route to it, it did not open it."""
+    a_leader, b_leader = await _lead_fork(established_b=True)
+    assert a_leader == b_leader

@@ -571,3 +571,24 @@ async def test_an_excluded_peers_digest_vote_is_left_out_of_the_check():
         verdict = await asyncio.wait_for(drv.check_digest(10, voters), 10)
     assert verdict is False
     assert [(e["majority_digest"], e["agree"], e["total"]) for e in seen] == [(x, 2, 3)]
+
+
+@pytest.mark.parametrize("seed_of_me", [0.25, 0.5])
+async def test_a_checkpoint_past_the_state_the_others_left_is_not_claimed_the_runs(seed_of_me):
+    """Red team 47b: the others left at round 4 (a previous session's record, the join knew the run there); this
+    peer restarts on a checkpoint of round 5 of any lineage (a fork it trained alone before, exit 3 then: nothing
+    ties its round 5 to the state of round 4 they left). ``left_before`` takes every leaving record at an earlier
+    round, whatever its digest, so it claimed the whole swarm and ended synced, exit 0. Only a leaving record of its
+    own round and digest (the state the others left, continued) backs that claim now."""
+    me, a = _peers(2)
+    _finished(a, 4, 0.25)
+    old = a.swarm.records[a.me]
+    a.swarm.records[a.me] = old.model_copy(update={"timestamp": old.timestamp - 120})  # a previous session's
+    me.theta = torch.full_like(a.theta, seed_of_me)
+    me.round, me.digest, me.model = 5, _digest(me.theta), me.theta.clone()
+    drv = me.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(drv.run(known_round=4), 30)
+    assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (6, False)
+    assert [(e["cause"], e["synced"]) for e in ended] == [("alone", False)]
+    assert "NOT" in drv.ended.why
