@@ -85,11 +85,19 @@ def test_a_job_that_ends_before_shutdown_is_applied_on_the_loop():
 
 
 def _idle_queue() -> tuple[CheckQueue, threading.Event]:
-    """A queue whose worker is held by a running job (so that every job submitted after it waits)."""
+    """A queue whose worker is held by a running job (so that every job submitted after it waits). Returns once that
+    job runs: submitted before the worker took it, a first-lane job would be taken first (a race: the lead's idle box
+    lost it every time, CI's loaded one never)."""
     stop = threading.Event()
     q = CheckQueue(1.0, 8, max_screens=8, pacer=Pacer(1.0, stop), stop=stop)
-    gate = threading.Event()
-    q.submit(CheckJob(0, "check", lambda pace: gate.wait(30)))
+    gate, running = threading.Event(), threading.Event()
+
+    def hold(pace) -> None:
+        running.set()
+        gate.wait(30)
+
+    q.submit(CheckJob(0, "check", hold))
+    assert running.wait(30), "the worker never took the holding job"
     return q, gate
 
 
