@@ -83,22 +83,32 @@ def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
     # The killed peer comes back with the same identity mid-run (its old record may still be in the
     # DHT): it downloads the state and trains in step with the others.
     swarm.peer("late", "--rounds", "60", "--identity", str(tmp_path / "k2.key"), bootstrap=entry)
-    swarm.wait_for(lambda: len(swarm.rows("late")) >= 2, 300, "the late joiner to train two rounds")
+
+    # Its first two rounds with all three in the plan: a survivor slowed by the load may be planned out of a few
+    # rounds meanwhile (session 47's CI: k0 pushed no part in round 5, so the leader left it out of rounds 6-15 every
+    # other round, the late joiner's first two among them): that is the planner's penalty, not this test's subject.
+    def together() -> list[int]:
+        return [x["round"] for x in swarm.rows("late") if x["peers"] == 3][:2]
+
+    swarm.wait_for(lambda: len(together()) >= 2, 300, "the late joiner to train two rounds with both survivors")
     # each survivor writes its row of a round a moment after the late joiner may (session 33's CI: k0 had no row
     # yet for the round "late" wrote when all were stopped)
-    joined = [x["round"] for x in swarm.rows("late")[:2]]
+    joined = together()
     swarm.wait_for(
         lambda: all({x["round"] for x in swarm.rows(n)} >= set(joined) for n in ("k0", "k1")),
         120,
-        "the survivors' rows of the late joiner's first two rounds",
+        "the survivors' rows of the late joiner's first two rounds with both of them",
     )
     swarm.stop_all()
     assert {n: swarm.procs[n].returncode for n in ("k0", "k1", "late")} == {"k0": 0, "k1": 0, "late": 0}
     assert swarm.events("late", "state_downloaded"), swarm.text("late")[-2000:]
-    late = swarm.rows("late")
-    for x in late[:2]:
-        assert x["peers"] == 3
-        assert x["digest"] == _digest(swarm, "k0", x["round"]) == _digest(swarm, "k1", x["round"])
+    late = {x["round"]: x for x in swarm.rows("late")}
+    for r in joined:
+        assert late[r]["digest"] == _digest(swarm, "k0", r) == _digest(swarm, "k1", r)
+    # and from its first row on, it holds the state of every survivor that trained the same round
+    first = min(late)
+    held = [n for n in ("k0", "k1") if any(x["round"] == first for x in swarm.rows(n))]
+    assert held and all(_digest(swarm, n, first) == late[first]["digest"] for n in held)
 
 
 def test_ddp_baseline_runs_as_a_swarm_mode(swarm, tmp_path):
