@@ -17,8 +17,11 @@ import pytest
 ROUNDS = 60
 #: rounds as long as when BOUND was measured (the shared FAST flags' rounds are shorter)
 SLOW = ("--window-s", "2.5")
-#: rounds after the last peer's first round by which the three must train together with equal digests
-BOUND = 8
+#: rounds after the last peer's first round by which the three must train together with equal digests: 8 measured on
+#: a quiet box; 14 since session 47's CI (load of 3 workers on 2 cores): b's and c's first pushes arrived after their
+#: parts closed, and the penalties of a no-part round (no part owned for 5 rounds, not planned for 3) left them out of
+#: every other round until round 18 of c's start 5 (one lineage throughout; the planner's penalty, not a split)
+BOUND = 14
 #: rounds of one lineage asserted after the merge
 AFTER = 2
 
