@@ -202,7 +202,7 @@ async def test_the_accused_takes_over_as_last_resort_after_an_attempt_without_a_
     and a peer in its second attempt follows X's plan. A peer still in its first attempt ignores X's plan as absent
     and follows nothing (no plan of the first level exists); it never follows another plan (no fork)."""
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.plan.agree import PlanStore, obtain_plan
+    from geomesh_p2p.plan.agree import PlanStore
     from geomesh_p2p.round.planning import last_resort, lead_problem
     from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
 
@@ -225,17 +225,7 @@ async def test_the_accused_takes_over_as_last_resort_after_an_attempt_without_a_
     assert last_resort(_escalation_driver(L, 1), 3, members, candidates, escalated) == []  # type: ignore[arg-type]
 
     def obtain(name: str, took: frozenset, last: list[str]):
-        return obtain_plan(
-            PlanStore(dht.view(), ident[name], RUN),
-            3,
-            members,
-            _planner(3),
-            plan_timeout_s=0.3,
-            settle_s=0.05,
-            candidates=candidates,
-            last_resort=last,
-            accept=lambda p: lead_problem(p, took),  # type: ignore[arg-type]
-        )
+        return _obtain_round3(dht, ident[name], members, candidates, took, last)
 
     led = await obtain("X", escalated, resort)
     assert led is not None and led.leader == X
@@ -259,6 +249,26 @@ def test_without_accused_a_miss_changes_nothing_the_last_leader_still_leads_only
 # -- lead_problem is a ContentRefusal, but it depends on the round r - 1 plan this peer holds ----------------------
 
 
+def _obtain_round3(dht, identity, members, candidates, took, last):
+    """``obtain_plan`` of round 3 as the peer ``identity`` with the in-memory ``dht``: its ``candidates`` and
+    ``last`` resorts, accepting a plan unless ``lead_problem(plan, took)`` objects (short timeouts)."""
+    from geomesh_p2p.plan.agree import PlanStore, obtain_plan
+    from geomesh_p2p.round.planning import lead_problem
+    from tests.unit.test_round import RUN, _planner
+
+    return obtain_plan(
+        PlanStore(dht.view(), identity, RUN),
+        3,
+        members,
+        _planner(3),
+        plan_timeout_s=0.3,
+        settle_s=0.05,
+        candidates=candidates,
+        last_resort=last,
+        accept=lambda p: lead_problem(p, took),
+    )
+
+
 async def _lead_fork(established_b: bool) -> tuple[str, str]:
     """Round 3 at five peers: L led round 2 (rogue) and named X accused; Y (L's colluder, established, live) publishes
     nothing; B took part in round 2 (a newcomer on probation unless ``established_b``); A sat round 2 out (a refused
@@ -266,8 +276,8 @@ async def _lead_fork(established_b: bool) -> tuple[str, str]:
     one of its candidates. L publishes a plan for round 3: B and X refuse it as content (``lead_problem``: L led the
     last round), A accepts it. Returns (the leader A follows, the leader B follows)."""
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.plan.agree import PlanStore, leader_rank, obtain_plan
-    from geomesh_p2p.round.planning import last_resort, lead_problem
+    from geomesh_p2p.plan.agree import PlanStore, leader_rank
+    from geomesh_p2p.round.planning import last_resort
     from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
 
     while True:  # L ranks before X and B in round 3's order: a peer reading every plan follows L's
@@ -287,17 +297,7 @@ async def _lead_fork(established_b: bool) -> tuple[str, str]:
     candidates = [c for c in established if c in first]  # Y (and B when established)
 
     def obtain(name: str, cands: list[str], took, last: list[str]):
-        return obtain_plan(
-            PlanStore(dht.view(), ident[name], RUN),
-            3,
-            members,
-            _planner(3),
-            plan_timeout_s=0.3,
-            settle_s=0.05,
-            candidates=cands,
-            last_resort=last,
-            accept=lambda p: lead_problem(p, took),
-        )
+        return _obtain_round3(dht, ident[name], members, cands, took, last)
 
     # A: no round 2 plan, its candidates every established peer (A itself none: it sat out), nothing refused
     a_plan = await obtain("A", [L, X, Y], None, [])
