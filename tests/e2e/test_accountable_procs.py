@@ -41,14 +41,17 @@ def test_three_peers_train_in_accountable_mode_with_equal_digests(swarm):
 def _forger_excluded(s: AttackSwarm, o, logs: str) -> None:
     """Every honest peer excludes the forger; one may have done so first on its own verified work (the same
     exclusion, another reason: a later proof then finds it excluded already), but the proof is there; once excluded,
-    the forger is planned by nobody: the last round has the 3 honest peers only."""
+    the forger is planned by nobody: the last round's plan is the honest peers that trained it, no one else (every
+    row of it counts exactly the honest rows of that round). An honest peer slowed by the load may be planned out of
+    a round (the no-part penalty of a late push: CI at 4e54b44, h1 out of round 6) without the forger being in it."""
     texts = {n: s.text(n) for n in o.rows}
     for n, text in texts.items():
         assert "is excluded from the plans this peer makes" in text, logs
     assert any("excluded from the plans this peer makes: owner forgery proven" in t for t in texts.values()), logs
-    assert all(rows[-1]["peers"] == 3 for rows in o.rows.values()), {
-        n: [r["peers"] for r in rows] for n, rows in o.rows.items()
-    }
+    last = max(r["round"] for rows in o.rows.values() for r in rows)
+    at_last = [r for rows in o.rows.values() for r in rows if r["round"] == last]
+    counts = {n: [(r["round"], r["peers"]) for r in rows] for n, rows in o.rows.items()}
+    assert len(at_last) >= 2 and all(r["peers"] == len(at_last) for r in at_last), counts
 
 
 #: The forger's exclusion without ``--undo-forged``: its every assertion is also made by the undo test below
