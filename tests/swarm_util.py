@@ -165,6 +165,33 @@ class ProcSwarm(ProcGroup):
                 out.setdefault(x["round"], set()).add(x["digest"])
         return out
 
+    def planned_out(self, name: str) -> set[int]:
+        """The rounds peer ``name`` was left out of by their leader (event ``planned_out``, reason ``not_in_plan``:
+        e.g. the no-part penalty of a push that came after its part closed, which a loaded machine gives an honest
+        peer; geomesh_p2p/round/rules/penalties.py). Such a peer writes no row for the round and re-syncs after it."""
+        return {e["round"] for e in self.events(name, "planned_out") if e.get("reason") == "not_in_plan"}
+
+    def plan_problems(self, names: Sequence[str], rounds: Sequence[int]) -> list[tuple]:
+        """What does not add up in rounds ``rounds`` of the peers ``names`` (all of the swarm's trainers): ``[]`` when
+        each peer wrote a row of each round or was planned out of it (:meth:`planned_out`), never both, and every row
+        of a round counts its plan as the peers that wrote one (``peers`` == their number: nobody else planned, and
+        nobody of them planned but missing). A plan-out a loaded machine gives an honest peer passes; a peer that
+        skipped or forked a round, or a round planned with an outsider or trained apart, is listed:
+        ``(round, peer, why)``."""
+        out: list[tuple] = []
+        rows = {n: {x["round"]: x for x in self.rows(n)} for n in names}
+        out_of = {n: self.planned_out(n) for n in names}
+        for r in rounds:
+            wrote = [n for n in names if r in rows[n]]
+            for n in names:
+                if (r in rows[n]) == (r in out_of[n]):
+                    out.append(
+                        (r, n, "both a row and planned out" if r in rows[n] else "neither a row nor planned out")
+                    )
+            out += [(r, n, f"peers {rows[n][r]['peers']}, {len(wrote)} rows") for n in wrote
+                    if rows[n][r]["peers"] != len(wrote)]  # fmt: skip
+        return out
+
     def text(self, name: str) -> str:
         p = self.dir / f"{name}.log"
         return p.read_text() if p.exists() else ""

@@ -96,9 +96,13 @@ def test_one_attacker_of_four_does_not_poison_or_split_the_honest_peers(swarm, a
         f"(e.g. a forger that owned no part: give it more rounds):\n{o.attacker_log_tail}"
     )
     assert not o.honest_exited, f"honest peers exited {o.exit_codes} (None: still running at the timeout)\n{logs}"
-    # Each honest peer ends the run in step with the others (it may sit out a round and re-sync meanwhile).
+    # Each honest peer ends the run in step with the others (it may sit out a round and re-sync meanwhile): it trained
+    # the last round, or was planned out of it (a push the load made late: the no-part penalty, f24960e) and re-synced
+    # to the state the others reached, exit 0 above; at least two honest peers trained it.
     last = {n: rows[-1]["round"] if rows else None for n, rows in o.rows.items()}
-    assert all(r == ROUNDS - 1 for r in last.values()), f"last round logged: {last}\n{logs}"
+    out = {n: ROUNDS - 1 in swarm.planned_out(n) for n in o.rows}
+    assert all(r == ROUNDS - 1 or out[n] for n, r in last.items()), f"last round logged: {last}, out {out}\n{logs}"
+    assert sum(r == ROUNDS - 1 for r in last.values()) >= 2, f"last round logged: {last}\n{logs}"
     assert o.digests_equal, f"honest digests differ after rounds {o.digest_mismatches()}\n{logs}"
     assert o.final_ppl < PPL_LIMIT, (
         f"{attack}: honest eval ppl {o.final_ppl:.4g} after {ROUNDS} rounds "

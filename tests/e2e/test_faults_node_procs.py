@@ -19,10 +19,13 @@ def test_peer_advertising_an_unreachable_host_trains_client_only_without_a_fork(
     text = swarm.text("bad")
     assert text.count("nobody can dial this node at 127.0.0.9:") == 1, text[-3000:]
     assert "continuing as a client-only node that owns no part" in text
+    # no fork: both in every round's plan, or one planned out of a round by the no-part penalty of a push the load
+    # made late (it re-syncs); a 1-peer run of its own has a row of peers 1 beside the other's row, and fails here
+    assert swarm.plan_problems(names, range(3)) == [], {n: swarm.rows(n) for n in names}
+    assert any(x["peers"] == 2 for x in swarm.rows("bad")), swarm.rows("bad")  # it trained with p0
     for r in range(3):
-        d = _digests(swarm, names, r)
-        assert None not in d.values() and len(set(d.values())) == 1, f"round {r}: {d}"
-    assert all(x["peers"] == 2 for n in names for x in swarm.rows(n))
+        d = {n: x["digest"] for n in names for x in swarm.rows(n) if x["round"] == r}
+        assert len(set(d.values())) == 1, f"round {r}: {d}"
 
 
 @pytest.mark.timeout(420)

@@ -18,8 +18,9 @@ def test_a_healthy_three_peer_swarm_logs_no_error_traceback_or_pending_task(swar
     assert swarm.wait_exit(names, 360) == {n: 0 for n in names}
     swarm.interrupt("boot")
     assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
-    for n in names:
-        assert [r["round"] for r in swarm.rows(n)] == [0, 1, 2], swarm.text(n)[-3000:]
+    # each peer trained rounds 0-2, or was planned out of one by the no-part penalty of a push the load made late
+    # (its lines about it are INFO, not bad lines): a peer that skipped or forked a round fails it
+    assert swarm.plan_problems(names, range(3)) == [], {n: swarm.text(n)[-3000:] for n in names}
     for n in names + ["boot"]:
         assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
 

@@ -114,14 +114,17 @@ def _two_rank_peer_with_a_one_rank_peer(tmp_path: Path, *flags: str) -> str:
     b = {r["round"]: r for r in sw.rows("b")}
     # the logs' ends, so that a failure under CI load says what happened (one did: a had only round 0)
     tails = f"\n--- a ---\n{sw.text('a')[-5000:]}\n--- b ---\n{sw.text('b')[-3000:]}"
-    assert sorted(a) == sorted(b) == [0, 1, 2], tails
-    assert all(a[x]["digest"] == b[x]["digest"] for x in a), tails
-    assert len({a[x]["digest"] for x in a}) == 3  # and they moved
-    assert all(a[x]["batch_size"] == 2 * b[x]["batch_size"] for x in a)
+    # both trained every round, or one was planned out of a round by the no-part penalty of a push the load made late
+    # (f24960e: it re-syncs, and the other's row of it counts a plan of 1); a skipped or forked round fails
+    both = sorted(set(a) & set(b))
+    assert sw.plan_problems(["a", "b"], range(3)) == [] and both, tails
+    assert all(a[x]["digest"] == b[x]["digest"] for x in both), tails
+    assert len({x["digest"] for x in [*a.values(), *b.values()]}) == 3  # and they moved
+    assert all(a[x]["batch_size"] == 2 * b[x]["batch_size"] for x in both)
     # tokens 2x in the rounds both trained fully (under load a deadline can cut every round short: then none). Both
     # trained in some round; not in every one: a CI run's one-rank peer trained 0 of 2 steps in round 0's 0.4 s window
-    assert any(a[x]["tokens"] > 0 and b[x]["tokens"] > 0 for x in a), tails
-    full = [x for x in a if _trained_fully(a[x]) and _trained_fully(b[x])]
+    assert any(a[x]["tokens"] > 0 and b[x]["tokens"] > 0 for x in both), tails
+    full = [x for x in both if _trained_fully(a[x]) and _trained_fully(b[x])]
     assert all(a[x]["tokens"] == 2 * b[x]["tokens"] for x in full), tails
     log = sw.text("a")
     assert "rank 1 of 2 on cpu: following" in log

@@ -68,11 +68,15 @@ def test_a_swarm_resumed_at_rounds_r_r_and_r_plus_1_converges_without_the_whole_
     [back] = [e for e in new["c"] if e["event"] == "older_state_adopted"]
     assert (back["level"], back["held_round"], back["round"], back["discarded_rounds"]) == ("WARNING", 2, 1, [1])
     # every round after the resume trained by all three, on one lineage; none alone
+    # (round 2: or one of them planned out of it by the no-part penalty of a round-1 push the load made late, and
+    # re-synced after it: f24960e; every row of it counts its plan as the peers that wrote one, and none is alone)
     rows = {n: swarm.rows(n)[rows0[n] :] for n in NAMES}
     for n in NAMES:
-        assert [(x["round"], x["peers"]) for x in rows[n]] == [(1, 3), (2, 3)], swarm.text(n)[texts0[n] :][-3000:]
-    for i in range(2):
-        assert len({rows[n][i]["digest"] for n in NAMES}) == 1, rows
+        assert [(x["round"], x["peers"]) for x in rows[n]][:1] == [(1, 3)], swarm.text(n)[texts0[n] :][-3000:]
+        assert [x["round"] for x in rows[n]] in ([1, 2], [1]), swarm.text(n)[texts0[n] :][-3000:]
+    assert swarm.plan_problems(NAMES, [2]) == [] and all(x["peers"] >= 2 for xs in rows.values() for x in xs), rows
+    for r in (1, 2):
+        assert len({x["digest"] for xs in rows.values() for x in xs if x["round"] == r}) == 1, rows
     # the start-up wait ended with all three in step, not by its 60 s running out (no peer started short of 3)
     for n in NAMES:
         text = swarm.text(n)[texts0[n] :]

@@ -46,23 +46,25 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     for n in names:  # "done" is a peer's closing line: the last round's agreement line comes before it (fresh user 44)
         t = swarm.text(n)
         assert "done (" in t and ": contributions (agreement" not in t[t.rindex("done (") :], t[-2000:]
-    rows = swarm.rows("p0")
-    assert [x["round"] for x in rows] == [0, 1, 2, 3]
+    # Every peer trained every round, or was planned out of it by the no-part penalty of a late push (a loaded CI
+    # machine gives an honest peer that: f24960e, fe9f50e) and re-synced; every row counts its round's plan as the
+    # peers that wrote one. A peer that skipped or forked a round, or a round planned without one of them, fails it.
+    assert swarm.plan_problems(names, range(4)) == [], {n: swarm.rows(n) for n in names}
     for r in range(4):
-        assert len({_digest(swarm, n, r) for n in names}) == 1, f"digests differ after round {r}"
-    assert all(x["peers"] == 3 for x in rows)
-    ppl = [x["eval_ppl"] for x in rows]
+        d = {x["digest"] for n in names for x in swarm.rows(n) if x["round"] == r}
+        assert len(d) == 1, f"digests differ after round {r}"
+    ppl = [max(x["eval_ppl"] for n in names for x in swarm.rows(n) if x["round"] == r) for r in range(4)]
     assert ppl[-1] < ppl[0] < 4500, ppl
 
     # Stop-and-resume: the same three peers continue at round 4 from identical weights (one round shows it: a
     # second one, --rounds 6 before, repeated the same check).
     start("--rounds", "5", "--resume")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
-    last = rows[-1]["digest"]
+    last = next(iter({x["digest"] for n in names for x in swarm.rows(n) if x["round"] == 3}))
     for n in names:
         resumed = swarm.events(n, "resumed_from_checkpoint")
         assert [(e["round"], e["digest"][: len(last)]) for e in resumed] == [(4, last)], swarm.text(n)[-2000:]
-        assert [x["round"] for x in swarm.rows(n)] == [0, 1, 2, 3, 4]
+        assert swarm.rows(n)[-1]["round"] == 4, swarm.text(n)[-2000:]
         # each restored its evidence of round 3's deliveries, so none defers its lead to the others (session 31: all
         # three did, and round 4 waited a whole plan attempt for a last resort)
         assert swarm.events(n, "plan_last_resort") == [], swarm.text(n)[-2000:]
@@ -167,9 +169,14 @@ def test_ctrl_c_peer_leaves_cleanly_and_the_others_plan_without_it(swarm):
     # the survivor that saw c2 leave refused the plan and led its own, and they forked: exit 3, rerun once
     # by a flaky mark). From the round after, c2 is never planned.
     raced = after[:1] if after and after[0]["peers"] == 3 else []
-    assert after and all(x["peers"] == 2 and x["missing_parts"] == 0 for x in after[len(raced) :]), after
-    for r in (last + 1, last + 2):
-        assert _digest(swarm, "c0", r) == _digest(swarm, "c1", r)
+    assert after and all(x["missing_parts"] == 0 for x in after[len(raced) :]), after
+    # c2 is in none of those plans: each of c0's and c1's rows counts its plan as the survivors that wrote one (not
+    # "peers 2": under load a survivor's late push can plan it out of a round, the no-part penalty, f24960e; a plan
+    # with c2 in it reads one more than the rows). Equal digests where both trained, and at least one such round.
+    planned = [r for r in (last + 1, last + 2) if not raced or r != raced[0]["round"]]
+    assert swarm.plan_problems(["c0", "c1"], planned) == [], {n: swarm.rows(n) for n in ("c0", "c1")}
+    both = [r for r in (last + 1, last + 2) if r not in swarm.planned_out("c1") | swarm.planned_out("c0")]
+    assert both and all(_digest(swarm, "c0", r) == _digest(swarm, "c1", r) for r in both), both
     # --rounds 4: c1 announces that it leaves with its round-4 record, before c0 gathers round 4, so c0
     # does not wait for it. Left alone with --min-peers 3, c0 does not train alone (review H1, docs/round.md):
     # the swarm ended on the state it holds, so it ends with a WARNING (not "done") and exit 0.

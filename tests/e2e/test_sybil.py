@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.swarm_util import FAST, RUN_ID
+from tests.swarm_util import FAST, RUN_ID, ProcSwarm
 
 POW_BITS = FAST[FAST.index("--pow-bits") + 1]
 ROUNDS = 7
@@ -32,6 +32,12 @@ N_SYBILS = 30
 SYBIL_FROM_ROUND = 3
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def _peer_id(swarm: ProcSwarm, name: str) -> str:
+    from geomesh_p2p.net.identity import Identity
+
+    return str(Identity.load_or_create(swarm.dir / f"{name}.key").peer_id)
 
 
 def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_honest_peers(swarm):
@@ -66,11 +72,13 @@ def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_h
     logs = "\n".join(f"--- {n}\n{swarm.text(n)[-2500:]}" for n in honest)
     assert codes == {n: 0 for n in honest}, f"{codes}\n{logs}"
     rows = {n: swarm.rows(n) for n in honest}
-    assert all([x["round"] for x in rows[n]] == list(range(ROUNDS)) for n in honest), logs
-    for r in range(ROUNDS):
-        assert len({next(x["digest"] for x in rows[n] if x["round"] == r) for n in honest}) == 1, (
-            f"honest digests differ after round {r}\n{logs}"
-        )
+    # every honest peer trained every round, or was planned out of it by the no-part penalty of a push the load made
+    # late (f24960e, fe9f50e: it re-syncs); one that skipped or forked a round fails (rows count honest + probation)
+    out = {n: swarm.planned_out(n) for n in honest}
+    assert all(sorted({x["round"] for x in rows[n]} ^ out[n]) == list(range(ROUNDS)) for n in honest), (out, logs)
+    by_round = {r: [x for n in honest for x in rows[n] if x["round"] == r] for r in range(ROUNDS)}
+    for r, xs in by_round.items():
+        assert len(xs) >= 2 and len({x["digest"] for x in xs}) == 1, f"honest digests differ after round {r}\n{logs}"
 
     # Round times as h0 logged them: clean = rounds 1.. that ended before the Sybils were announced
     # (round 0 includes the start-up gather); attacked = rounds that started after.
@@ -85,13 +93,15 @@ def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_h
     # round closed once the honest peers had pushed (all of them, or the established ones + the probation grace),
     # never at the exchange deadline; each attacked round left out at most one Sybil, never the same one twice
     # (a no-show is not planned again for a while). Before probation every part waited for them to the deadline.
+    # A part closed at the deadline without an honest peer is the load's (that peer's push came late: the no-part
+    # penalty plans it out, as above), not the Sybils': it is allowed only with an honest peer among its absent.
     closed = [e for n in honest for e in swarm.events(n, "part_closed")]
-    assert closed and {e["reason"] for e in closed} <= {"all pushed", "established pushed"}, [
-        (e["round"], e["reason"], e["absent"]) for e in closed
-    ]
+    ids = {_peer_id(swarm, n) for n in honest}
+    assert closed and all(e["reason"] in ("all pushed", "established pushed") or ids & set(e["absent"])
+                          for e in closed), [(e["round"], e["reason"], e["absent"]) for e in closed]  # fmt: skip
     absent = {}
-    for e in closed:
-        absent.setdefault(e["round"], set()).update(e["absent"])
+    for e in closed:  # the Sybils left out of each round
+        absent.setdefault(e["round"], set()).update(set(e["absent"]) - ids)
     assert all(len(a) <= 1 for a in absent.values()), absent
     no_shows = [p for a in absent.values() for p in a]
     assert len(no_shows) == len(set(no_shows)), absent
@@ -99,12 +109,13 @@ def test_thirty_sybil_identities_that_never_take_part_do_not_slow_or_split_the_h
     # The Sybils were in view and got (at most) a probation slot, never a part or the lead.
     text = "".join(swarm.text(n) for n in honest)
     assert "on probation" in text, logs + "\n--- sybil\n" + swarm.text("sybil")[-1500:]
-    assert all(x["peers"] <= 4 for x in h), [x["peers"] for x in h]
+    every = [x for xs in by_round.values() for x in xs]
+    assert all(x["peers"] <= 4 for x in every), [x["peers"] for x in every]
 
     # No Sybil ever contributed: every aggregate is the honest peers' alone (the weights are what 3 honest
     # peers make), and training went on with the Sybils around: a perplexity below the last one before them.
-    assert all(x["contributors"] <= len(honest) for x in h), [x["contributors"] for x in h]
-    ppl = {x["round"]: x["eval_ppl"] for x in h}
+    assert all(x["contributors"] <= len(honest) for x in every), [x["contributors"] for x in every]
+    ppl = {r: max(x["eval_ppl"] for x in xs) for r, xs in by_round.items()}  # the worst honest one of each round
     first_attacked = min(x["round"] for x in h if x["time"] - x["round_s"] >= t_sybil)
     # (not the last round's alone: the tiny model's outer Nesterov at 2-3 inner steps a round can overshoot
     # one round under load, with or without Sybils; docs/security.md, "Probation")
