@@ -14,6 +14,10 @@ import pytest
 pytestmark = pytest.mark.timeout(480)
 
 
+#: rounds of test_three_peers_train_then_resume_with_identical_weights' first run
+ROUNDS = 3
+
+
 def _digest(swarm, name, r):
     return next(x["digest"] for x in swarm.rows(name) if x["round"] == r)
 
@@ -37,7 +41,9 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
             ],
         )
 
-    start("--rounds", "4")
+    # 3 rounds, then one resumed (4 and 5 until session 48: the perplexity halves by round 2, and every check below is
+    # per round; a round of ~5 s less)
+    start("--rounds", str(ROUNDS))
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     # each peer, a `geomesh-peer join` process of its own, froze its start-up heap once built (issue 27: the run's
     # full collections skip the imports' and the model's ~350,000 objects)
@@ -49,26 +55,26 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     # Every peer trained every round, or was planned out of it by the no-part penalty of a late push (a loaded CI
     # machine gives an honest peer that: f24960e, fe9f50e) and re-synced; every row counts its round's plan as the
     # peers that wrote one. A peer that skipped or forked a round, or a round planned without one of them, fails it.
-    assert swarm.plan_problems(names, range(4)) == [], {n: swarm.rows(n) for n in names}
-    for r in range(4):
+    assert swarm.plan_problems(names, range(ROUNDS)) == [], {n: swarm.rows(n) for n in names}
+    for r in range(ROUNDS):
         d = {x["digest"] for n in names for x in swarm.rows(n) if x["round"] == r}
         assert len(d) == 1, f"digests differ after round {r}"
-    ppl = [max(x["eval_ppl"] for n in names for x in swarm.rows(n) if x["round"] == r) for r in range(4)]
+    ppl = [max(x["eval_ppl"] for n in names for x in swarm.rows(n) if x["round"] == r) for r in range(ROUNDS)]
     assert ppl[-1] < ppl[0] < 4500, ppl
 
-    # Stop-and-resume: the same three peers continue at round 4 from identical weights (one round shows it: a
+    # Stop-and-resume: the same three peers continue at round ROUNDS from identical weights (one round shows it: a
     # second one, --rounds 6 before, repeated the same check).
-    start("--rounds", "5", "--resume")
+    start("--rounds", str(ROUNDS + 1), "--resume")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
-    last = next(iter({x["digest"] for n in names for x in swarm.rows(n) if x["round"] == 3}))
+    last = next(iter({x["digest"] for n in names for x in swarm.rows(n) if x["round"] == ROUNDS - 1}))
     for n in names:
         resumed = swarm.events(n, "resumed_from_checkpoint")
-        assert [(e["round"], e["digest"][: len(last)]) for e in resumed] == [(4, last)], swarm.text(n)[-2000:]
-        assert swarm.rows(n)[-1]["round"] == 4, swarm.text(n)[-2000:]
-        # each restored its evidence of round 3's deliveries, so none defers its lead to the others (session 31: all
-        # three did, and round 4 waited a whole plan attempt for a last resort)
+        assert [(e["round"], e["digest"][: len(last)]) for e in resumed] == [(ROUNDS, last)], swarm.text(n)[-2000:]
+        assert swarm.rows(n)[-1]["round"] == ROUNDS, swarm.text(n)[-2000:]
+        # each restored its evidence of its last round's deliveries, so none defers its lead to the others (session 31: all
+        # three did, and the resumed round waited a whole plan attempt for a last resort)
         assert swarm.events(n, "plan_last_resort") == [], swarm.text(n)[-2000:]
-    assert len({_digest(swarm, n, 4) for n in names}) == 1
+    assert len({_digest(swarm, n, ROUNDS) for n in names}) == 1
 
 
 def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):

@@ -32,10 +32,11 @@ def _rows(swarm, names):
     return {n: {x["round"]: x for x in swarm.rows(n)} for n in names}
 
 
-def _together(rows, names):
-    """The last peer's first round, and the rounds all three trained with ``peers 3`` and one digest."""
+def _together(rows, names, out):
+    """The last peer's first round, the last round every peer is through (trained it, or was planned out of it: ``out``,
+    :meth:`ProcSwarm.planned_out`), and the rounds all three trained with ``peers 3`` and one digest."""
     start = max(min(rows[n]) for n in names)
-    last = min(max(rows[n]) for n in names)
+    last = min(max(set(rows[n]) | {r for r in out[n] if r >= start}) for n in names)
     return (
         start,
         last,
@@ -59,11 +60,14 @@ def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
     swarm.wait_for(lambda: len(swarm.rows("a")) >= 3, 120, "a's third round")
     swarm.peer("c", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
 
+    # Through AFTER rounds after the merge: trained by each peer, or planned out (a newcomer's late push in its first
+    # rounds gets the probation no-show penalty, 10 rounds: session 47's suite run waited 46 s, rounds 12-21, for c's
+    # next row; those rounds, one lineage or not, are a's and b's rows, checked below all the same).
     def settled() -> bool:
         rows = _rows(swarm, names)
         if not all(rows[n] for n in names):
             return False
-        start, last, together = _together(rows, names)
+        start, last, together = _together(rows, names, {n: swarm.planned_out(n) for n in names})
         return last >= (together[0] + AFTER if together else start + BOUND + 1)
 
     swarm.wait_for(settled, 300, "the three to train together, or BOUND rounds to pass")
@@ -73,12 +77,12 @@ def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
     logs = "\n".join(f"--- {n}\n{swarm.text(n)[-3000:]}" for n in names)
     assert codes == {n: 0 for n in names}, f"{codes}\n{logs}"
     rows = _rows(swarm, names)
-    start, last, together = _together(rows, names)
+    start, last, together = _together(rows, names, {n: swarm.planned_out(n) for n in names})
     assert together and together[0] <= start + BOUND, (start, together, logs)
     # from then on one lineage: every round trained has one digest (the peers leave within a round or two)
     for r in range(together[0], max(max(rows[n]) for n in names) + 1):
         digests = {rows[n][r]["digest"] for n in names if r in rows[n]}
         assert len(digests) == 1, (r, {n: rows[n].get(r, {}).get("digest") for n in names}, logs)
-    assert len({rows[n][last]["digest"] for n in names}) == 1, logs
+    assert len({rows[n][last]["digest"] for n in names if last in rows[n]}) == 1, logs
     text = "".join(swarm.text(n) for n in names)
     assert "0 of the 0 rounds" not in text, logs
