@@ -84,9 +84,12 @@ def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
     swarm.kill("k2")  # SIGKILL while round 1 trains
     # Survivors finish the round it was killed in and go on without it.
     swarm.wait_for(lambda: len(swarm.rows("k0")) >= 3 and len(swarm.rows("k1")) >= 3, 120, "two more rounds")
-    for r in (1, 2):
-        assert _digest(swarm, "k0", r) == _digest(swarm, "k1", r)
-    assert swarm.rows("k0")[2]["peers"] == 2
+    # round 2 is planned without k2: its rows count their plan as the survivors that wrote one (not "k0's third row
+    # says peers 2": a survivor's push the load made late can plan it out of round 2, the no-part penalty, f24960e;
+    # a plan that still held k2 reads one more than the rows); equal digests where both trained, at least once
+    assert swarm.plan_problems(["k0", "k1"], [2]) == [], {n: swarm.rows(n) for n in ("k0", "k1")}
+    both = [r for r in (1, 2) if r not in swarm.planned_out("k0") | swarm.planned_out("k1")]
+    assert both and all(_digest(swarm, "k0", r) == _digest(swarm, "k1", r) for r in both), both
 
     # The killed peer comes back with the same identity mid-run (its old record may still be in the
     # DHT): it downloads the state and trains in step with the others.
