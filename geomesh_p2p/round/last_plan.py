@@ -92,8 +92,9 @@ async def recover(
     """Round ``r - 1``'s plan as ``voters`` (this peer's leader candidates, itself left out) name it in their
     records at round ``r`` and weights ``digest`` (this peer's state), read with ``read``. None when none names one
     (no rule applies, as before). Otherwise a :class:`Recovered`: ``plan`` set when more than half of the references
-    named are one and that plan was read and checked; else in doubt with the plans named that could be read (at most
-    :data:`MAX_DOUBT_PLANS`; none read: a peer in doubt accepts no plan). Never raises on what the DHT holds."""
+    named are one and that plan was read and checked; else in doubt with the plans named (at most
+    :data:`MAX_DOUBT_PLANS`), none when one of them could not be read (a peer in doubt then accepts no plan). Never
+    raises on what the DHT holds."""
     refs = named_refs(records, r, digest, voters)
     if not refs:
         return None
@@ -117,9 +118,11 @@ async def recover(
         else:
             whys.append(why)
     split = ", ".join(f"{(parse_ref(k) or ('?',))[0][:10]} x{n}" for k, n in sorted(refs.items()))
+    # One plan named and not read may be the real one: judging by the others alone would follow the plans a shadow
+    # allows (a rogue overwrites or forges the real reference's plan, its shadow stays readable). None is cleared.
     return Recovered(
         None,
-        tuple(read_ok),
+        () if whys else tuple(read_ok),
         f"the voters' references split with no majority ({split})" + (f"; {'; '.join(whys)}" if whys else ""),
     )
 

@@ -112,6 +112,12 @@ async def test_the_vote_takes_the_majority_reference_and_counts_only_voters_at_t
     held = await recover(read, records, 3, "d0", voters)
     assert held is not None and held.plan is None and {q.leader for q in held.doubt} == {pid["L"], pid["Y"]}
     assert "no majority" in held.why
+    # a tie where the real plan's reference cannot be read (its hash forged or the plan overwritten): the readable
+    # shadow alone would clear L; nothing is cleared
+    forged = f"{pid['L']}/{'0' * 64}"
+    records = _named(ident, {"X": forged, "B": forged, "Y": plan_ref(shadow), "L": plan_ref(shadow)})
+    held = await recover(read, records, 3, "d0", voters)
+    assert held is not None and held.plan is None and held.doubt == () and "hash differs" in held.why
 
 
 async def test_a_forged_majority_reference_leaves_the_peer_in_doubt_with_no_plan_and_it_follows_none():
