@@ -22,8 +22,8 @@ plain participant): choosing among them by rank picks the shadow when its signer
 would simply refer to it. A shadow gets no more than the rogue voters' references here.
 
 **In doubt** (the references split with no majority, or the plan named cannot be read: expired, a DHT miss, a
-forged reference): the peer accepts only a plan whose leader every plan named and read lets lead (none when none
-could be read), refusing others with a reason that is no content refusal, so it sits the round out where such a plan
+forged reference): the peer accepts only a plan whose leader every plan named lets lead (none when one of them
+cannot be read: judged by a readable shadow alone, L would be cleared), refusing others with a reason that is no content refusal, so it sits the round out where such a plan
 ranks first (``PlanRefused``, then a re-sync), and it leads nothing itself that round. No reference at all (the
 run's first round, a swarm of 0.15 peers, which name none): no rule, as before 0.16.0 (docs/security.md).
 """
