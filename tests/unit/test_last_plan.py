@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from geomesh_p2p.net.identity import Identity
-from geomesh_p2p.plan.agree import PlanStore
+from geomesh_p2p.plan.agree import PlanDeferred, PlanStore, leader_order
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.last_plan import KEEP_ROUNDS, parse_ref, plan_ref, record_ref, recover, remember
 from geomesh_p2p.round.planning import doubt_problem, recover_last_plan
@@ -202,3 +202,37 @@ async def test_a_driver_in_doubt_warns_once_a_round_and_returns_the_doubt():
     doubt = await recover_last_plan(drv, 3, live, [pid[k] for k in "LXYB"])  # type: ignore[arg-type]
     assert doubt is not None and doubt.plan is None and len(doubt.doubt) == 2
     assert drv._plan_seen is None and drv._doubt_said == 3
+
+
+async def test_a_driver_that_sat_a_round_out_takes_its_plan_from_the_others_records_and_follows_theirs():
+    """Three drivers over one in-memory DHT: C refuses round 0's plan (a view of its own) and leads none, sits the
+    round out and re-syncs, so it holds no plan of round 0 when it agrees round 1. The others' records name round 0's plan
+    (``PeerRecord.last_plan``); C takes it (one ``last_plan_recovered`` event naming round 0's leader) and follows
+    the plan the others follow in round 1, with equal digests."""
+    from geomesh_p2p.telemetry import events
+    from tests.unit.test_round_driver import FakePeer, _peers, _run_all
+
+    from tests.unit.test_round_driver import PEERS
+
+    peers = _peers(3)
+    a, b, c = (PEERS[p] for p in leader_order(RUN, 0, [p.me for p in peers]))
+
+    def refuse_round0(plan, live):
+        return "a view of its own (test)" if plan.round == 0 else FakePeer.plan_problem(c, plan, live)
+
+    def defer_round0(members, leader):  # nor does C lead round 0 (under load its turn may come first)
+        if c.round == 0:
+            raise PlanDeferred("C leads nothing in round 0 (test)")
+        return FakePeer.make_plan(c, members, leader)
+
+    c.plan_problem = refuse_round0  # type: ignore[method-assign]
+    c.make_plan = defer_round0  # type: ignore[method-assign]
+    with events.capture("last_plan_recovered") as recovered:
+        await _run_all(peers, rounds=2)
+    assert 0 not in [row.round for row in c.drv.history]  # it sat round 0 out (refused, or behind: re-synced)
+    leader0 = a.drv._plans_by_round[0].leader
+    assert [(e["peer"], e["round"], e["leader"]) for e in recovered] == [(c.me, 1, leader0)]
+    assert c.drv._plans_by_round[0].to_bytes() == a.drv._plans_by_round[0].to_bytes()
+    assert len({p.drv._plans_by_round[1].to_bytes() for p in peers}) == 1
+    assert c.drv.history[-1].round == 1 and c.drv.history[-1].leader == a.drv.history[-1].leader
+    assert len({p.digest for p in peers}) == 1
