@@ -159,9 +159,19 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
     """Round ``r - 1``'s plan for this peer when it did not obtain it (:func:`~geomesh_p2p.round.last_plan.recover`
     over its ``live`` records, its leader ``candidates`` but itself voting): taken (``drv._plan_seen``, one INFO
     line) and None returned, or the :class:`Recovered` in doubt (one WARNING line a round), or None (this peer holds
-    that plan, round 0, no voter names one, or a plan agreement without ``plan_of``)."""
+    that plan or kept it from an earlier attempt, round 0, no voter names one, or a plan agreement without
+    ``plan_of``)."""
     seen, read = drv._plan_seen, getattr(drv.plans, "plan_of", None)
-    if r < 1 or read is None or (seen is not None and seen.round == r - 1):
+    if r < 1 or (seen is not None and seen.round == r - 1):
+        return None
+    mine = (getattr(drv, "_plans_by_round", None) or {}).get(r - 1)
+    if mine is not None:
+        # It obtained round r - 1's plan, then one of round r in an attempt that left its state at round r: the rule
+        # is still round r - 1's plan's (before, no rule applied in such a retry, while it did at a peer whose
+        # earlier attempt found no plan)
+        drv._plan_seen = mine
+        return None
+    if read is None:
         return None
     voters = [c for c in candidates if c != drv.me]
     held = await recover(read, list(live.values()), r, drv.state.digest, voters)

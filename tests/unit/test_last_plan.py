@@ -178,6 +178,10 @@ async def test_the_driver_takes_the_named_plan_once_and_not_while_it_holds_round
     assert record_ref(drv, 3) == plan_ref(real)  # it names the plan it took from now on
     assert await recover_last_plan(drv, 3, live, cands) is None and len(reads) == 1  # type: ignore[arg-type]
     assert await recover_last_plan(drv, 0, live, cands) is None  # type: ignore[arg-type]
+    # it obtained round 3's plan in an attempt that left its state at round 3: round 2's kept plan is the rule again
+    remember(drv, _plan(ident, pid, "X", "LXB", round=3))
+    assert await recover_last_plan(drv, 3, live, cands) is None and len(reads) == 1  # type: ignore[arg-type]
+    assert drv._plan_seen.to_bytes() == real.to_bytes()
     # a plan agreement without plan_of (a test double): nothing read, no rule, as before
     bare = SimpleNamespace(_plan_seen=None, plans=SimpleNamespace(), state=drv.state, me=pid["A"])
     assert await recover_last_plan(bare, 3, live, cands) is None  # type: ignore[arg-type]
