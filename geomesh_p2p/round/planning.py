@@ -227,6 +227,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # Without round r - 1's plan no rule of who may lead would apply here while it applies at the others: take the
     # plan their records name, or doubt (red team 47b, round/last_plan.py)
     doubt = await recover_last_plan(drv, r, live, candidates)
+    judged = list(candidates)  # in doubt, each plan named is judged over these, as took would be over it
     took = last_round_leaders(drv._plan_seen, r, candidates)
     # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
     # the first level, red team 47): as last resorts only (the candidates, whose turns come first, are kept), so
@@ -297,7 +298,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 make_plan,
                 accept=lambda p: (
                     lead_problem(p, may_lead)
-                    or doubt_problem(p, doubt, r, candidates)
+                    or doubt_problem(p, doubt, r, judged)
                     or drv.policy.plan_problem(p, known_view(live, leaving, recent))
                 ),
                 # the plans accept could take (their leader must be in this view): the others stay unread
