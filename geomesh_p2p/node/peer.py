@@ -483,8 +483,7 @@ class PeerNode:
             protocol_version=geomesh_p2p.PROTOCOL_VERSION,
             run_config_hash=self.config_hash,
             run_config=self.run_cfg.model_dump(),
-            round=self.round,
-            weights_digest=None if self.resync.syncing else self.digest,
+            **training.record_state(self),  # round, weights digest, the plan that made them (round/last_plan.py)
             leaving=self._leaving,
             pow_nonce=self.pow_nonce,
             standing=self.standing.attestations(exclude=self.me, own=True),

@@ -292,6 +292,25 @@ class PlanStore:
             )
         return None
 
+    async def read_exact(self, round: int, leader: str, sha256: str) -> tuple[Optional[RoundPlan], str]:
+        """The plan of ``round`` stored under ``leader``'s subkey whose ``RoundPlan.to_bytes`` hashes (SHA-256,
+        lowercase hex) to ``sha256``, and "" ; else (None, why): absent, not signed by ``leader``, malformed or
+        its chunks not readable, of another run or round, or another plan (a hash mismatch). Unlike :meth:`read`,
+        a plan past its round's end is returned: a peer that sat that round out asks for it after it ended
+        (``round/last_plan.py``). Never raises on what the DHT holds."""
+        key = plan_key(self.run_id, round)
+        entry = (await self.dht.get(key) or {}).get(leader)
+        if entry is None:
+            return None, f"no plan of round {round} from {leader[:10]} in the DHT"
+        plan = await self._load(round, key, leader, entry)
+        if plan is None:
+            return None, f"the plan of round {round} from {leader[:10]} is unsigned, malformed or incomplete"
+        if plan.leader != leader or plan.round != round or plan.run_id != self.run_id:
+            return None, f"the plan stored under {leader[:10]} for round {round} names another leader, run or round"
+        if hashlib.sha256(plan.to_bytes()).hexdigest() != sha256:
+            return None, f"the plan of round {round} from {leader[:10]} is another one than referenced (hash differs)"
+        return plan, ""
+
     async def read(
         self,
         round: int,

@@ -6,7 +6,7 @@ share in :mod:`.context`), its injected collaborators (:mod:`.ports`) and the no
 
 import asyncio
 import logging
-from typing import Collection
+from typing import Collection, Optional
 
 from geomesh_p2p.util.backoff import Backoff
 from geomesh_p2p.plan.agree import (
@@ -21,6 +21,7 @@ from geomesh_p2p.plan.agree import (
     plan_key,
     takeover_delay,
 )
+from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.driver import DriverConfig, Phase, RoundContext, RoundDriver, no_work
 from geomesh_p2p.round.ports import (
     Clock,
@@ -112,6 +113,14 @@ class DhtPlanAgreement:
             authorities=authorities,
             leaders=leaders,
         )
+
+    async def plan_of(self, round: int, leader: str, sha256: str) -> tuple[Optional[RoundPlan], str]:
+        """:meth:`PlanStore.read_exact`: the plan of ``round`` from ``leader`` whose bytes hash to ``sha256``, or
+        (None, why); a failed DHT read is (None, why) too."""
+        try:
+            return await self.store.read_exact(round, leader, sha256)
+        except Exception as e:  # the DHT may be unreachable: the caller treats the plan as unknown
+            return None, f"reading the plan of round {round} from {leader[:10]} failed: {e!r}"
 
     async def names(
         self, round: int, peer_id: str, wait_s: float, poll_s: float = 0.25, among: Collection[str] = ()

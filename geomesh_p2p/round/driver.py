@@ -218,6 +218,10 @@ class RoundDriver:
         self._last_plan: Optional[RoundPlan] = None
         #: the plan this peer obtained for its last agreed round, followed or not (``planning.last_round_leaders``)
         self._plan_seen: Optional[RoundPlan] = None
+        #: round -> the plan this peer obtained for it, the last few (round/last_plan.py: its record's reference)
+        self._plans_by_round: dict[int, RoundPlan] = {}
+        #: the round whose doubt of its previous round's plan was said (planning.recover_last_plan: once a round)
+        self._doubt_said = -1
         #: light followers (issue 25, round/light.py): the round this peer may run light (set when it confirmed
         #: the previous round's digest), and a round sent back to the full path
         self._light_ok_round = -1

@@ -40,6 +40,7 @@ from geomesh_p2p.plan.agree import PlanRefused, PlanStalled, leader_order, leade
 from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
+from geomesh_p2p.round.last_plan import remember
 from geomesh_p2p.round.planning import discard_early, may_start_early, next_leaders, wait_out
 from geomesh_p2p.round.steps import inner_steps
 from geomesh_p2p.schema.shards import record_shard
@@ -204,7 +205,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     if ctx.early is not None and (ctx.early_plan is None or plan.to_bytes() != ctx.early_plan.to_bytes()):
         await discard_early(drv, ctx, plan)
     ctx.plan = plan
-    drv._plan_seen = plan  # the next round's leaders (planning.last_round_leaders)
+    remember(drv, plan)  # the next round's leaders (planning.last_round_leaders), this peer's record's reference
     if drv.me not in plan.participants() or plan.start_digest != drv.state.digest:
         await drop_speculative(drv, "not in the plan" if drv.me not in plan.participants() else "weights differ")
         await wait_out(drv, ctx)

@@ -22,6 +22,7 @@ from geomesh_p2p.round import resync as resync_rules
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
+from geomesh_p2p.round.last_plan import Recovered, recover, remember
 from geomesh_p2p.round.steps import inner_steps
 
 if TYPE_CHECKING:
@@ -135,6 +136,79 @@ def lead_problem(plan: RoundPlan, took: Optional[frozenset]) -> Optional[Content
     )
 
 
+def doubt_problem(plan: RoundPlan, doubt: Optional[Recovered], r: int, candidates: Sequence[str]) -> Optional[str]:
+    """Why a peer in doubt of round ``r - 1``'s plan (:func:`~geomesh_p2p.round.last_plan.recover`) does not follow
+    ``plan``: a plan it names and could read would not let ``plan``'s leader lead (:func:`lead_problem` over this
+    peer's ``candidates``), or it could read none. A plain reason, no :class:`ContentRefusal`: the peers holding
+    that plan may follow ``plan``, so this peer sits the round out where ``plan`` ranks first rather than follow
+    another (``PlanRefused``). None: no doubt, or every plan named lets that leader lead."""
+    if doubt is None:
+        return None
+    if not doubt.doubt:
+        return f"this peer does not hold round {r - 1}'s plan and cannot tell which it was ({doubt.why})"
+    for q in doubt.doubt:
+        if lead_problem(plan, last_round_leaders(q, r, candidates)) is not None:
+            return (
+                f"its leader {plan.leader[:10]} may not lead under the plan of round {r - 1} from {q.leader[:10]}, "
+                f"one of those this peer's voters name ({doubt.why})"
+            )
+    return None
+
+
+async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Sequence[str]) -> Optional[Recovered]:
+    """Round ``r - 1``'s plan for this peer when it did not obtain it (:func:`~geomesh_p2p.round.last_plan.recover`
+    over its ``live`` records, its leader ``candidates`` but itself voting): taken (``drv._plan_seen``, one INFO
+    line) and None returned, or the :class:`Recovered` in doubt (one WARNING line a round), or None (this peer holds
+    that plan or kept it from an earlier attempt, round 0, no voter names one, or a plan agreement without
+    ``plan_of``)."""
+    seen, read = drv._plan_seen, getattr(drv.plans, "plan_of", None)
+    if r < 1 or (seen is not None and seen.round == r - 1):
+        return None
+    mine = (getattr(drv, "_plans_by_round", None) or {}).get(r - 1)
+    if mine is not None:
+        # It obtained round r - 1's plan, then one of round r in an attempt that left its state at round r: the rule
+        # is still round r - 1's plan's (before, no rule applied in such a retry, while it did at a peer whose
+        # earlier attempt found no plan)
+        drv._plan_seen = mine
+        return None
+    if read is None:
+        return None
+    voters = [c for c in candidates if c != drv.me]
+    held = await recover(read, list(live.values()), r, drv.state.digest, voters)
+    if held is None:
+        return None
+    if held.plan is not None:
+        remember(drv, held.plan)
+        events.emit(
+            log,
+            logging.INFO,
+            "last_plan_recovered",
+            "round %d: this peer did not obtain round %d's plan; took the one its records name: %s",
+            r,
+            r - 1,
+            held.why,
+            peer=drv.me,
+            round=r,
+            leader=held.plan.leader,
+        )
+        return None
+    if getattr(drv, "_doubt_said", None) != r:
+        drv._doubt_said = r
+        events.emit(
+            log,
+            logging.WARNING,
+            "last_plan_in_doubt",
+            "round %d: this peer does not hold round %d's plan and cannot take one (%s): it follows only a plan "
+            "whose leader every plan named may let lead, leads nothing, and sits the round out otherwise",
+            r,
+            r - 1,
+            held.why,
+            peer=drv.me,
+            round=r,
+        )
+    return held
+
+
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     """Phase PLAN: the plan this peer follows (it publishes one when its turn as leader comes). A peer
     alone in the run plans its own round at once (no DHT round trips eat its window). False: no
@@ -150,6 +224,10 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     drv._gathered_leaving = {}
     live.update(gathered if gathered is not None else {x.peer_id: x for x in await drv.membership.peers()})
     members, candidates = drv.policy.leader_candidates(ctx.members, live)
+    # Without round r - 1's plan no rule of who may lead would apply here while it applies at the others: take the
+    # plan their records name, or doubt (red team 47b, round/last_plan.py)
+    doubt = await recover_last_plan(drv, r, live, candidates)
+    judged = list(candidates)  # in doubt, each plan named is judged over these, as took would be over it
     took = last_round_leaders(drv._plan_seen, r, candidates)
     # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
     # the first level, red team 47): as last resorts only (the candidates, whose turns come first, are kept), so
@@ -158,6 +236,8 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     may_lead = last_round_leaders(drv._plan_seen, r, candidates, missed=True) if missed else took
     if took is not None:
         candidates = [c for c in candidates if c in took]
+    if doubt is not None:  # a plan of this peer's could be one the others refuse as content: it leads nothing
+        candidates = [c for c in candidates if c != drv.me]
     refused_before = drv._refused_leaders[2] if drv._refused_leaders[:2] == (r, drv.state.digest) else frozenset()
     if refused_before:
         # An earlier attempt at this round and state sat out a plan this peer refuses: its leader is no
@@ -210,14 +290,16 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 ctx.early_plan, ctx.early_abort = p, threading.Event()
                 ctx.early = asyncio.ensure_future(inner_steps(drv, ctx, p, ctx.early_abort))
 
-        resort = last_resort(drv, r, members, candidates, may_lead)
+        resort = [] if doubt is not None else last_resort(drv, r, members, candidates, may_lead)
         try:
             plan = await drv.plans.agree(
                 r,
                 members,
                 make_plan,
                 accept=lambda p: (
-                    lead_problem(p, may_lead) or drv.policy.plan_problem(p, known_view(live, leaving, recent))
+                    lead_problem(p, may_lead)
+                    or doubt_problem(p, doubt, r, judged)
+                    or drv.policy.plan_problem(p, known_view(live, leaving, recent))
                 ),
                 # the plans accept could take (their leader must be in this view): the others stay unread
                 leaders=lambda: known_view(live, leaving, recent),
@@ -293,7 +375,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
             log.warning("round %d: no plan appeared; retrying", r)
         return False
     ctx.plan = plan
-    drv._plan_seen = plan
+    remember(drv, plan)
     if drv.stop.is_set() and drv.me not in plan.participants():
         await drop_speculative(drv, "stopping, not in the plan")
         return False

@@ -123,6 +123,10 @@ class PlanAgreement(Protocol):
     def publish_background(self, plan: RoundPlan) -> None:
         """Store ``plan`` without waiting (a lone peer's own plan, for the status page); never raises."""
 
+    async def plan_of(self, round: int, leader: str, sha256: str) -> tuple[Optional[RoundPlan], str]:
+        """The plan of ``round`` stored by ``leader`` whose ``RoundPlan.to_bytes`` hashes (SHA-256 hex) to
+        ``sha256``, even after its round ended, or (None, why); never raises (``round/last_plan.py``)."""
+
 
 class Trainer(Protocol):
     """Inner training (geomesh_p2p.model.training.InnerTrainer); synchronous, the driver runs it in a thread."""

@@ -25,6 +25,8 @@ MAX_BATCH = 1 << 20
 MAX_RANKS = 64
 #: Most peers a record may vouch for in ``standing``.
 MAX_ATTESTED = 64
+#: Longest ``last_plan`` reference: a PeerID (base58, under 64 characters), "/", 64 hex digits. Characters.
+LAST_PLAN_REF_CHARS = 160
 
 
 class SyncProgress(BaseModel):
@@ -121,6 +123,13 @@ class PeerRecord(BaseModel):
         description="with ranks > 1: the memory budget of one rank, bytes (memory_bytes is the peer's sum); "
         "left out of the JSON when None",
     )
+    last_plan: Optional[str] = Field(
+        default=None,
+        max_length=LAST_PLAN_REF_CHARS,
+        description="the plan of round `round - 1` that made `weights_digest`, as '<its leader>/<SHA-256 hex of "
+        "RoundPlan.to_bytes>' (geomesh_p2p.round.last_plan, 0.16.0): what a peer that did not obtain that plan "
+        "reads to take it; left out of the JSON when None",
+    )
 
     @field_validator("tokens_per_s")
     @classmethod
@@ -163,13 +172,12 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        """JSON bytes. ``sync_progress``, ``ranks`` and ``rank_memory_bytes`` are written only when set (not
+        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes`` and ``last_plan`` are written only when set (not
         their defaults), so a record without them is byte for byte what a peer of the previous version wrote
         (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
-        absent = {
-            k for k, v in (("sync_progress", None), ("ranks", 1), ("rank_memory_bytes", None)) if getattr(self, k) == v
-        }
+        defaults = (("sync_progress", None), ("ranks", 1), ("rank_memory_bytes", None), ("last_plan", None))
+        absent = {k for k, v in defaults if getattr(self, k) == v}
         return self.model_dump_json(exclude=absent or None).encode()
 
     @classmethod

@@ -249,11 +249,12 @@ def test_without_accused_a_miss_changes_nothing_the_last_leader_still_leads_only
 # -- lead_problem is a ContentRefusal, but it depends on the round r - 1 plan this peer holds ----------------------
 
 
-def _obtain_round3(dht, identity, members, candidates, took, last):
+def _obtain_round3(dht, identity, members, candidates, took, last, doubt=None):
     """``obtain_plan`` of round 3 as the peer ``identity`` with the in-memory ``dht``: its ``candidates`` and
-    ``last`` resorts, accepting a plan unless ``lead_problem(plan, took)`` objects (short timeouts)."""
+    ``last`` resorts, accepting a plan unless ``lead_problem(plan, took)`` or, in ``doubt`` of round 2's plan,
+    ``doubt_problem`` objects (short timeouts), as ``planning.agree`` composes them."""
     from geomesh_p2p.plan.agree import PlanStore, obtain_plan
-    from geomesh_p2p.round.planning import lead_problem
+    from geomesh_p2p.round.planning import doubt_problem, lead_problem
     from tests.unit.test_round import RUN, _planner
 
     return obtain_plan(
@@ -265,19 +266,32 @@ def _obtain_round3(dht, identity, members, candidates, took, last):
         settle_s=0.05,
         candidates=candidates,
         last_resort=last,
-        accept=lambda p: lead_problem(p, took),
+        accept=lambda p: lead_problem(p, took) or doubt_problem(p, doubt, 3, candidates),
     )
 
 
-async def _lead_fork(established_b: bool) -> tuple[str, str]:
+def _round2_plan(ident: dict, pid: dict, leader: str, accused: list[str], names: str):
+    """A round 2 plan led by ``leader`` over the peers ``names`` (letters of ``ident``), naming ``accused``."""
+    from geomesh_p2p.plan.schema import RoundPlan
+    from tests.unit.test_round import _planner, _record
+
+    plan = _planner(2)([_record(ident[k], 1.0) for k in names], pid[leader])
+    return RoundPlan.model_validate({**plan.model_dump(), "accused": accused})
+
+
+async def _lead_fork(established_b: bool, shadow: bool = False, third_voter: bool = False) -> tuple[str, str]:
     """Round 3 at five peers: L led round 2 (rogue) and named X accused; Y (L's colluder, established, live) publishes
     nothing; B took part in round 2 (a newcomer on probation unless ``established_b``); A sat round 2 out (a refused
-    plan, a DHT miss: ``_plan_seen`` is of round 1), so for A no rule of who may lead applies (``took`` None) and L is
-    one of its candidates. L publishes a plan for round 3: B and X refuse it as content (``lead_problem``: L led the
-    last round), A accepts it. Returns (the leader A follows, the leader B follows)."""
+    plan, a DHT miss: ``_plan_seen`` is of round 1). L publishes a plan for round 3: B and X refuse it as content
+    (``lead_problem``: L led the last round). Before 0.16 no rule of who may lead applied for A (``took`` None) and it
+    followed L's plan. Now A takes round 2's plan its voters' records name (``round/last_plan.recover``: X and B name
+    the real one, L and Y none) and agrees as B does. ``shadow``: Y also stores a shadow round 2 plan (led by Y, L a
+    plain participant, nobody accused) and L's and Y's records name it; ``third_voter``: only Y's does (L's names
+    nothing). Returns (the leader A follows or "sat out", the leader B follows)."""
     from geomesh_p2p.net.identity import Identity
-    from geomesh_p2p.plan.agree import PlanStore, leader_rank
-    from geomesh_p2p.round.planning import last_resort
+    from geomesh_p2p.plan.agree import PlanRefused, PlanStore, leader_rank
+    from geomesh_p2p.round.last_plan import plan_ref, recover
+    from geomesh_p2p.round.planning import doubt_problem, last_resort, lead_problem
     from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
 
     while True:  # L ranks before X and B in round 3's order: a peer reading every plan follows L's
@@ -286,22 +300,28 @@ async def _lead_fork(established_b: bool) -> tuple[str, str]:
         if all(leader_rank(RUN, 3, pid["L"]) < leader_rank(RUN, 3, pid[k]) for k in "XB"):
             break
     L, X, Y, A, B = (pid[k] for k in "LXYAB")
-    prev = SimpleNamespace(round=2, leader=L, accused=[X], participants=lambda: sorted({L, X, Y, B}))
-    members = [_record(ident[k], 1.0) for k in "LXYAB"]
     dht = MemoryDHT()
+    prev = _round2_plan(ident, pid, "L", [X], "LXYB")
+    assert await PlanStore(dht.view(), ident["L"], RUN).publish(prev)
+    refs = {X: plan_ref(prev), B: plan_ref(prev)}
+    if shadow:
+        fake = _round2_plan(ident, pid, "Y", [], "LXYB")
+        assert await PlanStore(dht.view(), ident["Y"], RUN).publish(fake)
+        refs[Y] = plan_ref(fake)
+        if not third_voter:
+            refs[L] = plan_ref(fake)
+    members = [_record(ident[k], 1.0) for k in "LXYAB"]
+    records = [m.model_copy(update={"last_plan": refs.get(m.peer_id)}) for m in members]
     assert await PlanStore(dht.view(), ident["L"], RUN).publish(_planner(3)(members, L))
     established = [L, X, Y] + ([B] if established_b else [])
-    first = last_round_leaders(prev, 3, established)  # type: ignore[arg-type]
+    first = last_round_leaders(prev, 3, established)
     assert first == frozenset({Y, B})
-    escalated = last_round_leaders(prev, 3, established, missed=True)  # type: ignore[arg-type]
+    escalated = last_round_leaders(prev, 3, established, missed=True)
     candidates = [c for c in established if c in first]  # Y (and B when established)
 
-    def obtain(name: str, cands: list[str], took, last: list[str]):
-        return _obtain_round3(dht, ident[name], members, cands, took, last)
+    def obtain(name: str, cands: list[str], took, last: list[str], doubt=None):
+        return _obtain_round3(dht, ident[name], members, cands, took, last, doubt)
 
-    # A: no round 2 plan, its candidates every established peer (A itself none: it sat out), nothing refused
-    a_plan = await obtain("A", [L, X, Y], None, [])
-    assert a_plan is not None
     if established_b:
         # the shape before fix 47: B, a first-level candidate, publishes at its turn (L's plan is absent to it)
         b_plan = await obtain("B", candidates, first, [])
@@ -316,28 +336,58 @@ async def _lead_fork(established_b: bool) -> tuple[str, str]:
         b_resort = last_resort(_escalation_driver(B, 1), 3, members, candidates, escalated)  # type: ignore[arg-type]
         b_plan = await obtain("B", candidates, escalated, b_resort)
     assert b_plan is not None
+
+    # A: round 2's plan as its voters (its leader candidates: every established peer) name it in their records
+    held = await recover(PlanStore(dht.view(), ident["A"], RUN).read_exact, records, 3, "d0", established)
+    assert held is not None
+    if held.plan is None:  # in doubt: only a plan every plan named lets lead, a refusal that sits A out
+        assert held.doubt and {q.leader for q in held.doubt} == {L, Y}
+        assert doubt_problem(b_plan, held, 3, established) is None
+        try:
+            await obtain("A", established, None, [], held)
+        except PlanRefused as e:  # L's plan ranks first and is refused with a reason that is no content refusal
+            assert e.plan.leader == L and "may not lead under the plan of round 2" in e.reason
+            return "sat out", b_plan.leader
+        raise AssertionError("a peer in doubt followed a plan")
+    assert held.plan.to_bytes() == prev.to_bytes()
+    a_took = last_round_leaders(held.plan, 3, established)
+    a_cands = [c for c in established if c in a_took]
+    assert lead_problem(_planner(3)(members, L), a_took) is not None  # L's plan: refused as content, as at B
+    if established_b:
+        a_plan = await obtain("A", a_cands, a_took, [])
+    else:  # A as B: no plan in the first attempt, the accused's last-resort plan in the second
+        assert await obtain("A", a_cands, a_took, []) is None
+        a_esc = last_round_leaders(held.plan, 3, established, missed=True)
+        a_plan = await obtain("A", a_cands, a_esc, last_resort(_escalation_driver(A, 1), 3, members, a_cands, a_esc))
+    assert a_plan is not None
     return a_plan.leader, b_plan.leader
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (red team 47b): lead_problem is a ContentRefusal but depends on the round r - 1 plan a peer holds; "
-    "a peer without it accepts the plan the others ignore as absent, so the next leader's plan forks the round",
-)
-async def test_a_peer_without_the_last_rounds_plan_follows_the_plan_others_ignore_after_a_miss():
-    """Fix 47's shape: after the miss the accused's last-resort plan is followed by B while A, without round 2's
-    plan, follows L's (published at L's turn in A's view, before anything else). Two honest peers, two plans."""
+async def test_a_peer_without_the_last_rounds_plan_takes_the_one_its_voters_name_after_a_miss():
+    """Fix 47's shape (red team 47b, closed in 0.16): after the miss the accused's last-resort plan is followed by B;
+    A, without round 2's plan, followed L's before (published at L's turn in A's view, before anything else). Now A
+    takes round 2's plan from its voters' references and follows the accused's plan too."""
     a_leader, b_leader = await _lead_fork(established_b=False)
     assert a_leader == b_leader
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open before fix 47 too (red team 47b): a first-level candidate's plan beside L's, which a peer without "
-    "the last round's plan accepts and ranks first",
-)
-async def test_a_peer_without_the_last_rounds_plan_follows_the_plan_others_ignore_beside_a_candidates():
-    """The same gap without any miss: B, a candidate of the first level, publishes at its turn; A follows L's plan
-    (L ranks first among the plans A accepts), B its own. Fix 47 adds a route to it, it did not open it."""
+async def test_a_peer_without_the_last_rounds_plan_takes_the_one_its_voters_name_beside_a_candidates():
+    """The same gap without any miss: B, a candidate of the first level, publishes at its turn; A followed L's plan
+    (L ranks first among the plans A accepted), B its own. Now A takes round 2's plan and follows B's."""
     a_leader, b_leader = await _lead_fork(established_b=True)
     assert a_leader == b_leader
+
+
+async def test_a_shadow_plan_named_by_a_minority_of_voters_is_not_taken():
+    """A colluder Y stores a shadow round 2 plan (led by Y, L a plain participant) and names it in its record; two
+    honest voters name the real one: A takes the real plan (the majority) and follows B's plan, not L's."""
+    a_leader, b_leader = await _lead_fork(established_b=True, shadow=True, third_voter=True)
+    assert a_leader == b_leader
+
+
+async def test_a_shadow_plan_named_by_half_of_the_voters_leaves_the_peer_in_doubt_and_it_sits_out():
+    """L and Y both name Y's shadow plan, X and B the real one: no majority. A in doubt refuses L's plan with a
+    reason that is no content refusal (the real plan does not let L lead) and, L ranking first, sits the round out
+    (``PlanRefused``): it follows no plan, so never a second one beside B's."""
+    a_leader, b_leader = await _lead_fork(established_b=True, shadow=True)
+    assert a_leader == "sat out" and b_leader != "sat out"

@@ -21,6 +21,7 @@ from geomesh_p2p.plan.schema import PlanConfig
 from geomesh_p2p.schema.peer import PeerRecord, SyncProgress
 from tests.records_util import peer_record
 from geomesh_p2p.round import DhtPlanAgreement, DriverConfig, Phase, PlanStore, RoundDriver, leader_order
+from geomesh_p2p.round.last_plan import record_ref
 from geomesh_p2p.round.driver import PROBATION_SYNC_GRANTS, ROUND_END_SLACK_S, SYNC_WAIT_MARGIN_S, SYNC_WAIT_SLACK
 from geomesh_p2p.round.rules.state_sync import StateSync
 from geomesh_p2p.sync.progress import SyncMeter
@@ -112,6 +113,7 @@ class FakePeer:
             round=self.round,
             weights_digest=None if self.syncing else self.digest,
             leaving=self.leaving,
+            last_plan=None if self.syncing else record_ref(getattr(self, "drv", None), self.round),
         )
 
     async def peers(self, include_leaving=False):
@@ -321,6 +323,11 @@ class FakePeer:
             async def names(self, *a, **k):
                 names = getattr(agreement, "names", None)
                 return False if names is None else await names(*a, **k)
+
+            if hasattr(agreement, "plan_of"):  # round/last_plan.py: an agreement without it recovers nothing
+
+                async def plan_of(self, *a, **k):
+                    return await agreement.plan_of(*a, **k)
 
         cfg = DriverConfig(
             min_peers=min_peers,
