@@ -592,3 +592,34 @@ async def test_a_checkpoint_past_the_state_the_others_left_is_not_claimed_the_ru
     assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (6, False)
     assert [(e["cause"], e["synced"]) for e in ended] == [("alone", False)]
     assert "NOT" in drv.ended.why
+
+
+@pytest.mark.parametrize("digest_of_a", ["same", "other"])
+async def test_a_restarted_peer_keeps_the_leaving_records_it_read_at_start_after_they_expire(digest_of_a):
+    """Fresh user 48: both peers left at round 4; one restarted 4 s later on its checkpoint of that round, waited
+    --wait-peers-s, trained round 4 alone, waited again and ended "NOT the swarm's", exit 3: the leaving records that
+    back its start live ~30-40 s and had expired by the end, where they were read. What the records said as this
+    session began is kept: the claim still needs one of its round and digest (not when it backs another digest)."""
+    me, a = _peers(2)
+    _finished(a, 4, 0.25)
+    old = a.swarm.records[a.me]
+    a.swarm.records[a.me] = old.model_copy(update={"timestamp": old.timestamp - 20})  # a previous session's
+    me.theta = torch.full_like(a.theta, 0.25 if digest_of_a == "same" else 0.5)
+    me.round, me.digest, me.model = 4, _digest(me.theta), me.theta.clone()
+    read = me.peers
+
+    async def expiring(include_leaving=False):
+        if me.round > 4:  # the lone round is trained: the leaving record has expired
+            me.swarm.records.pop(a.me, None)
+        return await read(include_leaving)
+
+    me.peers = expiring
+    drv = me.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(drv.run(known_round=4), 30)
+    assert a.me not in me.swarm.records  # the end read no leaving record
+    assert [r.round for r in drv.history] == [4]
+    synced = digest_of_a == "same"
+    assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (5, synced)
+    assert [(e["cause"], e["synced"]) for e in ended] == [("alone", synced)]
+    assert ("continued it from round 4" in drv.ended.why) is synced
