@@ -623,3 +623,26 @@ async def test_a_restarted_peer_keeps_the_leaving_records_it_read_at_start_after
     assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (5, synced)
     assert [(e["cause"], e["synced"]) for e in ended] == [("alone", synced)]
     assert ("continued it from round 4" in drv.ended.why) is synced
+
+
+async def test_a_swarm_that_ended_is_said_without_a_wait_line_before_it():
+    """Fresh user 48: after the first round, the other peers announced leaving (Ctrl+C); the last one logged "no other
+    peer of the run is live ... (--min-peers 3; 1 trains on alone): waiting up to 60 s" and, in the same second, "the
+    swarm ended ... exit 0": no wait came. The wait line is not said while the leaving records say the swarm ended;
+    when it is said, its parenthesis reads "--min-peers 1 would train on alone"."""
+    me, b = _peers(2)
+    _finished(b, 5, 0.25)  # announced leaving in this session, at this peer's round and state
+    me.theta, me.round, me.digest, me.model = b.theta.clone(), 5, b.digest, b.theta.clone()
+    drv = me.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended, events.capture("waiting_for_peers") as waiting:
+        assert await asyncio.wait_for(drv.gather(set(), first=False), 10) is None
+    assert [(e["cause"], e["synced"]) for e in ended] == [("others_left", True)]
+    assert waiting == []
+    # left alone with no leaving record (the other vanished): the wait line, worded plainly
+    (q,) = _peers(1)
+    q.round = 5
+    drv2 = q.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("waiting_for_peers") as waiting2:
+        assert await asyncio.wait_for(drv2.gather(set(), first=False), 10) is None
+    assert [e.get("alone") for e in waiting2] == [True]
+    assert "(--min-peers 3; --min-peers 1 would train on alone): waiting up to 3 s" in waiting2[0]["message"]
