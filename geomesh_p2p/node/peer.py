@@ -484,7 +484,7 @@ class PeerNode:
             run_config_hash=self.config_hash,
             run_config=self.run_cfg.model_dump(),
             round=self.round,
-            weights_digest=None if self.resync.syncing else self.digest,
+            weights_digest=None if self.resync.syncing or report.disowned(self) else self.digest,  # no fork's
             leaving=self._leaving,
             pow_nonce=self.pow_nonce,
             standing=self.standing.attestations(exclude=self.me, own=True),

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from geomesh_p2p.node import report
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.round import resync
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
@@ -623,6 +624,8 @@ async def test_a_restarted_peer_keeps_the_leaving_records_it_read_at_start_after
     assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (5, synced)
     assert [(e["cause"], e["synced"]) for e in ended] == [("alone", synced)]
     assert ("continued it from round 4" in drv.ended.why) is synced
+    # not synced, its records carry no digest from now on: a bootstrap does not keep its round 5 as the run's
+    assert report.disowned(SimpleNamespace(_round_driver=drv)) is not synced
 
 
 async def test_a_swarm_that_ended_is_said_without_a_wait_line_before_it():
