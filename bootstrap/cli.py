@@ -325,7 +325,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     new_key = identity.keep_created()  # said once it serves, last: a start that fails stays one line
     if new_key:
         print(new_key, flush=True)
-    from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, progress_of, publish_progress
+    from geomesh_p2p.dht.progress import BootstrapState, SwarmProgress, disowned_rise, progress_of, publish_progress
 
     from geomesh_p2p.trust.admission import Admission
 
@@ -334,6 +334,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     saved = await asyncio.to_thread(BootstrapState.load, state_file, ns.run_id) if state_file else None
     me = identity.peer_id.to_string()
     progress: Optional[SwarmProgress] = saved.swarm_progress(by=me) if saved is not None else None
+    rose_from: Optional[SwarmProgress] = None  # the progress before live records last raised it (disowned_rise)
 
     async def refresh_progress() -> int:
         """The swarm's round and run-config hash, published and kept for the state file; returns the number
@@ -342,7 +343,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         its newest round. That is the truth when a live peer of that config is among them; with only leaving
         ones it may only raise the remembered round: their records expire one by one, and a peer that stopped
         while waiting for the swarm announces round 0 as it leaves; neither may make the bootstrap forget."""
-        nonlocal progress
+        nonlocal progress, rose_from
         # Only records that carry the run's proof of work count: free identities announcing another config or
         # round 10^9 would otherwise outvote the run's peers in progress_of (and tell newcomers a false round).
         everyone = await live_peers(node, ns.run_id, include_leaving=True, shards=ns.record_shards)
@@ -368,8 +369,25 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         now = progress_of(held, me, time.time())  # the config most records announce, and its round
         live = now is not None and any(not r.leaving and (r.run_config_hash or "") == now.config_hash for r in held)
         if now is not None and (live or progress is None or now.round > progress.round):
+            if live and progress is not None and now.round > progress.round and rose_from is None:
+                rose_from = progress
             progress = now
             await publish_progress(node, progress, identity)
+        elif rose_from is not None:
+            # no peer live: the rounds live records added stand, unless their peers left disowning them (a lone
+            # peer's fork, "NOT the swarm's": fresh user 48); then the round remembered before them comes back
+            disowned = disowned_rise(rose_from, recs)
+            if disowned:
+                log.info(
+                    "run %r: the peers past round %d left saying their state is not the swarm's: the run's round "
+                    "remembered is %d again",
+                    ns.run_id,
+                    rose_from.round,
+                    rose_from.round,
+                )
+                progress = rose_from
+                await publish_progress(node, progress, identity)
+            rose_from = None
         return sum(1 for r in recs if not r.leaving)
 
     # A full disk, a read-only --state-file, a DHT that does not answer: one WARNING per change of state and

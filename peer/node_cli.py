@@ -404,6 +404,8 @@ def ping_bootstraps_first(ns: argparse.Namespace) -> bool:
     Raises:
         NothingListensError: nothing listened at any ``--bootstrap`` address during those tries, naming them.
         OtherRunError: a bootstrap serves another run (and every other failure is final), naming ``--run-id``.
+        BootstrapAddressError: every address failed for good (a name that does not resolve, no gRPC server there):
+            a UserFacingError, exit 2 at once, before torch and the proof of work.
         ValueError: ``--identity`` cannot be loaded; TlsError (a ValueError): a ``--tls-*`` file, named.
     """
     if os.environ.get("RANK", "0") not in ("", "0") or not ns.bootstrap:

@@ -189,8 +189,21 @@ class RunConfig(BaseModel):
     )
     inner_optimizer: Literal["adamw", "lion"] = opt("adamw", "optimizer of the inner steps")
     inner_lr: float = opt(1e-3, "peak learning rate of the inner optimizer", gt=0, le=MAX_INNER_LR)
-    warmup_steps: int = opt(20, "inner steps of linear learning-rate warm-up", ge=0)
-    total_inner_steps: int = opt(2000, "inner steps of the cosine learning-rate schedule", ge=1)
+    # Counted in swarm rounds x --uniform-inner-steps, whatever steps a peer is planned (swarm_lr_at): every peer
+    # computes the same lr from the round (fresh user 48: "inner steps" read as the steps trained, 25-85 a round).
+    warmup_steps: int = opt(
+        20,
+        "linear learning-rate warm-up, in swarm rounds x --uniform-inner-steps (not the inner steps a peer trains: "
+        "each peer's lr follows the round): the default 20 at --uniform-inner-steps 20 is the first round",
+        ge=0,
+    )
+    total_inner_steps: int = opt(
+        2000,
+        "length of the cosine learning-rate schedule, in swarm rounds x --uniform-inner-steps (not the inner steps a "
+        "peer trains): the inner lr falls to 0.1x of --inner-lr at round total / --uniform-inner-steps (the default "
+        "2000 / 20: round 100) and stays there; for a run of R rounds set R x --uniform-inner-steps",
+        ge=1,
+    )
     outer_lr: float = opt(0.7, "outer Nesterov lr, DiLoCo's 0.7", gt=0, le=MAX_OUTER_LR)
     outer_momentum: float = opt(0.9, "outer Nesterov momentum", ge=0, lt=1)
     outer_momentum_clip: float = opt(

@@ -86,6 +86,19 @@ class ClockSkewError(DHTJoinError, UserFacingError):
     (``DHTNode.max_clock_skew_s``): records and deadlines would be misjudged. One line, says what to do."""
 
 
+class BootstrapAddressError(DHTJoinError, UserFacingError):
+    """Every ``--bootstrap`` failed for good at the pre-flight: its host name does not resolve, or the server there
+    is no gRPC server (an HTTP one: a bootstrap's status page). No retry can help: said before torch's import and
+    the proof of work (fresh user 48: they came first, 4-16 s, then "1 attempt(s) over 0.0s"), exit 2."""
+
+
+def permanent_failure(result: object) -> bool:
+    """Whether a failed ping (``result``) can never succeed at that address: its host name does not resolve, or the
+    server there is not a gRPC server. A refused connection (a bootstrap restarting), a timeout or a refusal by the
+    bootstrap (another run, a private run's allow-list) is not one."""
+    return isinstance(result, RpcError) and (_unresolvable(result.reason) or _not_grpc(result.reason))
+
+
 #: What gRPC's resolvers say of a host name that does not resolve (c-ares, native; versions word it apart).
 _UNRESOLVABLE = ("dns resolution failed", "address lookup failed", "domain name not found", "name or service not known")
 
@@ -251,6 +264,7 @@ def preflight_verdict(
             (:func:`final_failure`: one silent or not up yet is left to the join's retries, which may get in
             through it: another run's bootstrap next to it is no reason to refuse the swarm before that; red
             team, session 16).
+        BootstrapAddressError: every address failed for good (:func:`permanent_failure`).
     """
     if any(not isinstance(r, BaseException) for r in results):
         return None
@@ -262,6 +276,12 @@ def preflight_verdict(
                 and "this node serves" in (r.reason or "")
             ):
                 raise OtherRunError(other_run_message(address, r.reason, run_id))
+    failed = [(a, r) for a, r in zip(addresses, results) if isinstance(r, BaseException) and permanent_failure(r)]
+    if len(failed) == len(results):
+        raise BootstrapAddressError(
+            "; ".join(f"--bootstrap {a}: {short_reason(r)}" for a, r in failed)
+            + ": check --bootstrap (the HOST:PORT the bootstrap printed: 'peers join with: --bootstrap ...')"
+        )
     return unanswered_bootstraps_line(list(addresses), list(results))  # type: ignore[arg-type]
 
 
@@ -293,7 +313,7 @@ async def check_bootstraps(
 
     Raises:
         NothingListensError: every address refused every connection, ``attempts`` times or for ``window_s``.
-        OtherRunError: as :func:`preflight_verdict`.
+        OtherRunError, BootstrapAddressError: as :func:`preflight_verdict`.
     """
     # not this node's own address: nothing listens there before it starts, and a list naming it was refused after
     # 15 s (red team 44) where the join starts a new swarm

@@ -141,6 +141,27 @@ def progress_of(records, by: str, seen_at: float) -> Optional[SwarmProgress]:
     return SwarmProgress(newest, seen_at, len(mine), by, config_hash, _config_of(mine))
 
 
+def disowned_rise(rose_from: SwarmProgress, records) -> Optional[bool]:
+    """Whether the rounds a bootstrap remembered past ``rose_from`` (its :class:`SwarmProgress` before live records
+    raised it) were a fork the peers that trained them disowned: ``records`` (``PeerRecord``-like: ``round``,
+    ``leaving``, ``weights_digest``, ``run_config_hash``; the run's, read now) of ``rose_from``'s config past its
+    round. True when there are some and each is a leaving record without a digest (``node.report.disowned``: a peer
+    left alone ended saying its state is NOT the swarm's); False when one is live or left holding a state (the
+    rise stands); None when none is left to tell (expired, or another config).
+
+    Fresh user 48: a peer restarted alone on round 214 trained it alone and ended "NOT the swarm's", exit 3; its
+    live record of round 215 had raised the bootstrap's remembered round to 215, the restarted peers then adopted
+    that state as the run's."""
+    past = [
+        r
+        for r in records
+        if r.round > rose_from.round and (r.run_config_hash or "") == (rose_from.config_hash or r.run_config_hash or "")
+    ]
+    if not past:
+        return None
+    return all(getattr(r, "leaving", False) and not getattr(r, "weights_digest", None) for r in past)
+
+
 def _config_of(records) -> Optional[dict]:
     """The run config most of ``records`` (one config hash) carry, among those whose JSON fits
     :data:`MAX_CONFIG_BYTES` (ties: the one announced at the later round), or None. Not the first one seen: one

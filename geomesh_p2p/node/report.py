@@ -42,6 +42,16 @@ __all__ = [
 EXIT_NOT_SYNCED = 3
 
 
+def disowned(node: PeerNode) -> bool:
+    """Whether this peer's run ended left alone on a state that is NOT the swarm's (``SwarmEnded`` cause ``"alone"``,
+    not synced): its records then carry no digest (a leaving record holding no state of the run), so a bootstrap
+    does not keep the round of that fork as the run's (``dht.progress.disowned_rise``; fresh user 48: a peer that
+    ended so at round 215 left the bootstrap saying the run was at round 215, and the restarted peers adopted it)."""
+    d = getattr(node, "_round_driver", None)
+    ended = getattr(d, "ended", None)
+    return ended is not None and not ended.synced and ended.cause == "alone"
+
+
 def log_swarm_ended(node: PeerNode, ended) -> int:
     """The closing line of a run the swarm ended before its ``--rounds`` / target (``RoundDriver.ended``,
     a :class:`~geomesh_p2p.round.driver.SwarmEnded`), never "done": an INFO "stopped early" when this peer holds

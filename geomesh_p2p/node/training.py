@@ -24,6 +24,7 @@ from geomesh_p2p.exchange.profile import measure_codec
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.round.rules.undo import UNDO_ROUNDS
 from geomesh_p2p.round.last_plan import record_ref
+from geomesh_p2p.node import report
 from geomesh_p2p.model.run_memory import (
     RunMemory,
     ShardChoice,
@@ -94,10 +95,12 @@ def record_capacity(node: PeerNode) -> dict:
 def record_state(node: PeerNode) -> dict:
     """The state fields of this peer's record: ``round``, ``weights_digest`` (None while syncing) and ``last_plan``,
     the plan of round ``round - 1`` it obtained (:func:`~geomesh_p2p.round.last_plan.record_ref`: peers that did not
-    obtain it take it by their voters' references), left out while it holds none or is syncing."""
-    syncing = node.resync.syncing
-    ref = None if syncing else record_ref(getattr(node, "_round_driver", None), node.round)
-    return {"round": node.round, "weights_digest": None if syncing else node.digest, "last_plan": ref}
+    obtain it take it by their voters' references), left out while it holds none or is syncing. A peer that ended
+    alone on a state that is not the swarm's (:func:`~geomesh_p2p.node.report.disowned`) names neither: no fork's
+    round is kept as the run's by a bootstrap, nor its plan voted for."""
+    unsure = node.resync.syncing or report.disowned(node)
+    ref = None if unsure else record_ref(getattr(node, "_round_driver", None), node.round)
+    return {"round": node.round, "weights_digest": None if unsure else node.digest, "last_plan": ref}
 
 
 def run_memory(run, cfg, n_params: int) -> RunMemory:

@@ -196,6 +196,9 @@ class RoundDriver:
         self._whole_swarm = False
         #: (round, digest) this session started from (set in :meth:`run`; round -1 before)
         self._start: tuple[int, Optional[str]] = (-1, None)
+        #: a previous session's leaving record at :attr:`_start` (round and digest) was read as this session began
+        #: (:meth:`run`): the evidence :func:`~geomesh_p2p.round.resync.left_alone` needs, kept past its expiry
+        self._start_backed = False
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()
@@ -339,8 +342,15 @@ class RoundDriver:
         # with nothing known of the run is not claimed to be its last state.
         r0 = int(self.state.round)
         self._start = (r0, self.state.digest)
+        # The records as they are now, kept: the leaving records that back this start expire (the record lifetime,
+        # ~30-40 s at the defaults) before the wait, the lone round and the second wait are over, and read only at
+        # the end they were gone even when this peer was restarted 4 s after the others left (fresh user 48: exit 3)
+        at_start = [r for r in await self._records_at_start() if r.peer_id != self.me]
+        self._start_backed = r0 <= 0 or any(
+            self.left_before(r) and (r.round, r.weights_digest) == (r0, self.state.digest) for r in at_start
+        )
         self._whole_swarm = (known_round <= 0 if r0 == 0 else 0 < known_round <= r0) and all(
-            self.left_before(r) for p, (r, _) in self._recent.items() if p != self.me
+            self.left_before(r) for r in at_start + [r for p, (r, _) in self._recent.items() if p != self.me]
         )
         self._swarm_seen = max(self._swarm_seen, known_round)  # a peer left alone says where the run was
         watcher = asyncio.ensure_future(self._say_leaving_on_stop())
@@ -354,6 +364,15 @@ class RoundDriver:
             if self._eval_task is not None:
                 await asyncio.gather(self._eval_task, return_exceptions=True)
                 self._eval_task = None
+
+    async def _records_at_start(self) -> list[PeerRecord]:
+        """The run's records (leaving ones included) read as this session starts; [] when the read fails (nothing
+        then backs the claim of :func:`~geomesh_p2p.round.resync.left_alone`)."""
+        try:
+            return list(await self.membership.peers(include_leaving=True))
+        except Exception as e:  # noqa: BLE001  a DHT that does not answer: no evidence, the claim is not made
+            log.debug("the records at start could not be read: %s", e)
+            return []
 
     async def _say_leaving_on_stop(self) -> None:
         """On a stop request (Ctrl+C, SIGTERM), announce at once that this peer leaves: the round under way

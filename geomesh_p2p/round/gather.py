@@ -147,7 +147,10 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             fields: dict[str, Any] = dict(
                 peer=drv.me, round=drv.state.round, min_peers=min_peers, in_step=len(ids), live=len(recs), wait_s=wait_s
             )
-            if alone and drv._waiting_logged != (min_peers, len(recs), first):
+            if ended is not None:
+                pass  # no wait line: the others' leaving records say the swarm ended, the next read confirms it (fresh
+                # user 48 read "waiting up to 60 s" and "the swarm ended ... exit 0" in the same second)
+            elif alone and drv._waiting_logged != (min_peers, len(recs), first):
                 # After its first round nobody else is live: the wait is for ONE other peer, and the run ends after
                 # it (a fresh user 47 saw 180 s of silence: the line of the first round's wait had been said).
                 drv._waiting_logged = (min_peers, len(recs), first)
@@ -156,8 +159,8 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                     logging.INFO,
                     "waiting_for_peers",
                     "round %d: no other peer of the run is live; after its first round a peer trains only with "
-                    "another (--min-peers %d; 1 trains on alone): waiting up to %.0f s (--wait-peers-s) for one, then "
-                    "this peer ends (docs/round.md, Never alone after the first round)",
+                    "another (--min-peers %d; --min-peers 1 would train on alone): waiting up to %.0f s "
+                    "(--wait-peers-s) for one, then this peer ends (docs/round.md, Never alone after the first round)",
                     drv.state.round,
                     drv.cfg.min_peers,
                     wait_s,

@@ -146,7 +146,13 @@ def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float
     # Past round 0 a leaving record of the state this session started from must back the claim (red team 47b: records
     # at earlier rounds, any digest, are left_before too, and nothing ties a checkpoint of a later round to the state
     # they left: a fork trained alone before, restarted, ended synced, exit 0).
-    backed = r0 <= 0 or any(drv.left_before(x) and (x.round, x.weights_digest) == (r0, d0) for x in others)
+    # Read as this session began (``_start_backed``): the records expire within about 30-40 s of the others leaving,
+    # before this end (after --wait-peers-s, the lone round and --wait-peers-s again) reads them (fresh user 48).
+    backed = (
+        r0 <= 0
+        or drv._start_backed
+        or any(drv.left_before(x) and (x.round, x.weights_digest) == (r0, d0) for x in others)
+    )
     if drv._whole_swarm and backed and all(drv.left_before(x) for x in others):
         # No other peer ever: nobody else's digest can confirm the state, yet this peer's own rounds made the run's
         # only lineage, so "NOT the swarm's" (exit 3) was wrong (fresh user 46: a sole first peer with --min-peers

@@ -182,3 +182,55 @@ async def test_a_fresh_peer_of_another_config_than_the_remembered_run_is_refused
         if node is not None:
             await node.shutdown()
         await stop_node(boot)
+
+
+async def test_a_round_a_lone_peer_disowned_is_given_back(tmp_path, capsys):
+    """Fresh user 48: the others had left at round 4; a peer restarted alone trained round 4 alone (its live record
+    of round 5 raised the bootstrap's round) and ended "NOT the swarm's", exit 3: the bootstrap kept round 5 as the
+    run's, and the peers restarted later adopted that state. Its leaving record holds no digest now
+    (node.report.disowned): the bootstrap gives the round back (4); a leaving record holding a state keeps 5."""
+    for digest, kept in ((None, 4), ("cd" * 32, 5)):
+        state = tmp_path / f"boot-{kept}.state.json"
+        ns = boot_cli.parse(
+            ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / f"b{kept}.key")]
+            + ["--state-file", str(state), "--status-interval", "0.2", "--pow-bits", "0"]
+        )
+        stop = asyncio.Event()
+        served = asyncio.ensure_future(boot_cli._serve(ns, Identity.load_or_create(ns.identity), None, None, stop))
+        node = None
+        try:
+            address = None
+            while address is None:  # printed once the transport listens
+                assert not served.done(), capsys.readouterr()
+                m = re.search(r"serving on (\S+)", capsys.readouterr().out)
+                address = m.group(1) if m else None
+                if address is None:
+                    await asyncio.sleep(0.05)
+            node = await start_node([address])
+            lone, other = Identity.generate(), Identity.generate()
+
+            async def put(ident, expires_s, **fields):
+                rec = peer_record(ident, **fields)
+                assert await node.store(
+                    peers_key(RUN), rec.to_bytes(), time.time() + expires_s, subkey=rec.peer_id, owner=ident
+                )
+
+            async def remembered(round):
+                p = await swarm_progress(node, RUN)
+                return p is not None and p.round == round
+
+            await put(other, 600, round=4, leaving=True, weights_digest="ab" * 32)  # left at round 4
+            await wait_for(lambda: remembered(4), 20, what="round 4 remembered")
+            await put(lone, 600, round=5, weights_digest="cd" * 32)  # the lone peer, live after its lone round
+            await wait_for(lambda: remembered(5), 20, what="round 5 remembered")
+            await put(lone, 700, round=5, leaving=True, weights_digest=digest)  # it ends
+            stop.set()
+            assert await asyncio.wait_for(served, 30) == 0
+            assert json.loads(state.read_text())["progress"]["round"] == kept
+        finally:
+            stop.set()
+            if not served.done():
+                served.cancel()
+            await asyncio.gather(served, return_exceptions=True)
+            if node is not None:
+                await stop_node(node)

@@ -97,6 +97,38 @@ async def test_a_wrong_run_id_is_refused_before_torch(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no key made for a start refused this early
 
 
+@pytest.mark.parametrize("kind", ["http", "unresolvable"])
+async def test_a_bootstrap_address_that_can_never_work_fails_before_torch(tmp_path, kind):
+    """Fresh user 48: --bootstrap at a bootstrap's status page (an HTTP server) or a host name that does not resolve
+    was one WARNING ("the join tries again after the proof of work, with retries"), then torch, the proof of work
+    (4-16 s) and "1 attempt(s) over 0.0s", exit 1 (with "its bootstrap ... is on another machine" for the name). No
+    retry can help: one line naming the flag and why, exit 2, before torch, no key made."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}" if kind == "http" else "nosuch-host.invalid:31337"
+    try:
+        rc, err = await _run(JOIN, *_join_argv(tmp_path, "--bootstrap", address))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 2, err
+    assert "imported at the ping: []" in err, err
+    why = (
+        "not a gRPC server (an HTTP server? a bootstrap's status page is its --http-port, not its --port)"
+        if kind == "http"
+        else "host name does not resolve"
+    )
+    assert [x for x in err if x.startswith("geomesh-peer")] == [
+        f"geomesh-peer join: --bootstrap {address}: {why}: check --bootstrap (the HOST:PORT the bootstrap printed: "
+        "'peers join with: --bootstrap ...')"
+    ], err
+    assert [x for x in err if x[8:11] == " W "] == [], err
+    assert list(tmp_path.iterdir()) == []  # no key made for a start refused this early
+
+
 async def test_an_address_nothing_listens_at_fails_before_torch(tmp_path):
     """Nothing listens at --bootstrap (each connection refused): retried --join-attempts times (a line each), then
     one error naming the address, before torch (it failed after torch, the model and the proof of work: 63-76 s)."""

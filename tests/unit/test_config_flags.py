@@ -333,3 +333,35 @@ def test_the_readmes_example_config_file_is_read_as_it_says(tmp_path):
     ns = with_config_file(parser, parse(parser, argv), argv)
     got = (ns.bootstrap, ns.run_id, ns.identity, ns.checkpoint_dir, ns.threads, ns.log_json)
     assert got == (["127.0.0.1:31337"], "R", "p1.key", "ckpt1", 1, "p1.jsonl")
+
+
+def test_the_lr_schedule_flags_say_they_count_rounds_times_uniform_inner_steps():
+    """Fresh user 48: --total-inner-steps / --warmup-steps said "inner steps", but swarm_lr_at counts swarm rounds x
+    --uniform-inner-steps, whatever steps a peer trains (25-85 a round there): the default decays to 0.1x at round
+    100 (2000 / 20), as the help now says, and reaches it there whatever the plan gave a peer."""
+    from geomesh_p2p.model.training import swarm_lr_at
+
+    lines = {line.split()[0]: line for line in _help(_join_parser()).splitlines() if line.strip().startswith("--")}
+    for flag in ("--total-inner-steps", "--warmup-steps"):
+        assert "swarm rounds x --uniform-inner-steps" in lines[flag], lines[flag]
+    assert (
+        "round 100" in lines["--total-inner-steps"] and "set R x --uniform-inner-steps" in lines["--total-inner-steps"]
+    )
+    cfg = RunConfig(seq_len=32)
+    last = cfg.total_inner_steps // cfg.uniform_inner_steps
+    assert last == 100
+    for planned in (25, 85):
+        at = [
+            swarm_lr_at(
+                r,
+                0,
+                planned,
+                steps_per_round=cfg.uniform_inner_steps,
+                lr=1.0,
+                warmup_steps=cfg.warmup_steps,
+                total_steps=cfg.total_inner_steps,
+            )
+            for r in (0, 1, last - 1, last, 3 * last)
+        ]
+        assert at[0] == pytest.approx(1 / cfg.warmup_steps) and at[1] == pytest.approx(1.0)  # warm-up: round 0
+        assert at[2] > 0.1 and at[3] == pytest.approx(0.1) and at[4] == pytest.approx(0.1)

@@ -72,3 +72,25 @@ def test_the_run_config_remembered_is_the_one_most_records_of_the_hash_carry():
         assert progress_of(list(reversed(recs)), "b", 1.0).config == honest
     # a config too large to publish is never chosen, even alone
     assert progress_of([rec({"x": "y" * 9000})], "b", 1.0).config is None
+
+
+def test_rounds_a_lone_peer_disowned_do_not_stay_the_runs():
+    """Fresh user 48: restarted alone on round 214 (the others' leaving records gone), a peer trained it alone and
+    ended "NOT the swarm's", exit 3; its live record of round 215 had raised the bootstrap's round to 215 for good.
+    Its leaving record now carries no digest (node.report.disowned), and the rounds past the one remembered before
+    the rise are given back when every record past it is such a record; never when one is live or holds a state."""
+    from geomesh_p2p.dht.progress import disowned_rise
+
+    before = SwarmProgress(214, 1.0, 2, "b", "run")
+
+    def rec(round, leaving=True, digest=None, config="run"):
+        return SimpleNamespace(round=round, run_config_hash=config, leaving=leaving, weights_digest=digest)
+
+    old = [rec(214, digest="d214"), rec(214, digest="d214")]  # the others' leaving records, if still there
+    assert disowned_rise(before, old + [rec(215)]) is True
+    assert disowned_rise(before, [rec(215)]) is True
+    assert disowned_rise(before, [rec(215, leaving=False, digest="f")]) is False  # still live
+    assert disowned_rise(before, [rec(215, digest="f")]) is False  # left holding the run's state (synced)
+    assert disowned_rise(before, [rec(215), rec(216, digest="g")]) is False  # another peer went on with it
+    assert disowned_rise(before, old) is None  # nothing past the round: nothing to tell
+    assert disowned_rise(before, [rec(215, config="other")]) is None

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from geomesh_p2p.node import report
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.round import resync
 from geomesh_p2p.round.driver import STALL_VOID_SHARE
@@ -592,3 +593,59 @@ async def test_a_checkpoint_past_the_state_the_others_left_is_not_claimed_the_ru
     assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (6, False)
     assert [(e["cause"], e["synced"]) for e in ended] == [("alone", False)]
     assert "NOT" in drv.ended.why
+
+
+@pytest.mark.parametrize("digest_of_a", ["same", "other"])
+async def test_a_restarted_peer_keeps_the_leaving_records_it_read_at_start_after_they_expire(digest_of_a):
+    """Fresh user 48: both peers left at round 4; one restarted 4 s later on its checkpoint of that round, waited
+    --wait-peers-s, trained round 4 alone, waited again and ended "NOT the swarm's", exit 3: the leaving records that
+    back its start live ~30-40 s and had expired by the end, where they were read. What the records said as this
+    session began is kept: the claim still needs one of its round and digest (not when it backs another digest)."""
+    me, a = _peers(2)
+    _finished(a, 4, 0.25)
+    old = a.swarm.records[a.me]
+    a.swarm.records[a.me] = old.model_copy(update={"timestamp": old.timestamp - 20})  # a previous session's
+    me.theta = torch.full_like(a.theta, 0.25 if digest_of_a == "same" else 0.5)
+    me.round, me.digest, me.model = 4, _digest(me.theta), me.theta.clone()
+    read = me.peers
+
+    async def expiring(include_leaving=False):
+        if me.round > 4:  # the lone round is trained: the leaving record has expired
+            me.swarm.records.pop(a.me, None)
+        return await read(include_leaving)
+
+    me.peers = expiring
+    drv = me.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(drv.run(known_round=4), 30)
+    assert a.me not in me.swarm.records  # the end read no leaving record
+    assert [r.round for r in drv.history] == [4]
+    synced = digest_of_a == "same"
+    assert drv.ended is not None and (drv.ended.round, drv.ended.synced) == (5, synced)
+    assert [(e["cause"], e["synced"]) for e in ended] == [("alone", synced)]
+    assert ("continued it from round 4" in drv.ended.why) is synced
+    # not synced, its records carry no digest from now on: a bootstrap does not keep its round 5 as the run's
+    assert report.disowned(SimpleNamespace(_round_driver=drv)) is not synced
+
+
+async def test_a_swarm_that_ended_is_said_without_a_wait_line_before_it():
+    """Fresh user 48: after the first round, the other peers announced leaving (Ctrl+C); the last one logged "no other
+    peer of the run is live ... (--min-peers 3; 1 trains on alone): waiting up to 60 s" and, in the same second, "the
+    swarm ended ... exit 0": no wait came. The wait line is not said while the leaving records say the swarm ended;
+    when it is said, its parenthesis reads "--min-peers 1 would train on alone"."""
+    me, b = _peers(2)
+    _finished(b, 5, 0.25)  # announced leaving in this session, at this peer's round and state
+    me.theta, me.round, me.digest, me.model = b.theta.clone(), 5, b.digest, b.theta.clone()
+    drv = me.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("swarm_ended") as ended, events.capture("waiting_for_peers") as waiting:
+        assert await asyncio.wait_for(drv.gather(set(), first=False), 10) is None
+    assert [(e["cause"], e["synced"]) for e in ended] == [("others_left", True)]
+    assert waiting == []
+    # left alone with no leaving record (the other vanished): the wait line, worded plainly
+    (q,) = _peers(1)
+    q.round = 5
+    drv2 = q.driver(min_peers=3, wait_peers_s=3.0, clock=FakeClock())
+    with events.capture("waiting_for_peers") as waiting2:
+        assert await asyncio.wait_for(drv2.gather(set(), first=False), 10) is None
+    assert [e.get("alone") for e in waiting2] == [True]
+    assert "(--min-peers 3; --min-peers 1 would train on alone): waiting up to 3 s" in waiting2[0]["message"]
