@@ -53,10 +53,10 @@ class _Counting:
 # (3) malformed references and records ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="open (red team 48): parse_ref accepts a reference with a trailing newline")
 def test_a_reference_with_a_trailing_newline_is_malformed():
     """``re.match`` with ``$`` accepted ``"<leader>/<sha>\\n"``: one plan then had two spellings, counted as two
-    references (a rogue split the vote of the plan it names from the honest voters' without naming another)."""
+    references (a rogue split the vote of the plan it names from the honest voters' without naming another). Fixed:
+    ``fullmatch``."""
     ident, pid = _peers("LX")
     ref = plan_ref(_plan(ident, pid, "L", "LX"))
     for bad in (ref + "\n", ref + "\r\n", " " + ref, ref + " ", ref.replace("/", "\n/")):
