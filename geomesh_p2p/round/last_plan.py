@@ -43,7 +43,7 @@ from geomesh_p2p.schema.peer import PeerRecord
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
 #: A reference: a PeerID (base58, no "/"), "/", the 64 hex digits of SHA-256.
-_REF = re.compile(r"^([1-9A-HJ-NP-Za-km-z]{1,90})/([0-9a-f]{64})$")
+_REF = re.compile(r"([1-9A-HJ-NP-Za-km-z]{1,90})/([0-9a-f]{64})")
 #: Rounds of obtained plans a driver keeps for its record (:func:`remember`): its round's and a margin.
 KEEP_ROUNDS = 3
 #: Most distinct references read in doubt: more means a rogue fills the vote, and the peer sits the round out.
@@ -60,7 +60,8 @@ def plan_ref(plan: RoundPlan) -> str:
 
 def parse_ref(ref: Any) -> Optional[tuple[str, str]]:
     """(leader, sha256 hex) of a reference, or None when it is malformed (a record's field is untrusted)."""
-    m = _REF.match(ref) if isinstance(ref, str) else None
+    # fullmatch: "$" also matches before a trailing newline, and one plan would have two spellings (two votes' keys)
+    m = _REF.fullmatch(ref) if isinstance(ref, str) else None
     return (m.group(1), m.group(2)) if m else None
 
 
