@@ -10,8 +10,10 @@ of one round (L's, and a first-level candidate's or, after a miss, the accused's
 **The rule.** Every record names the plan that made its state (``PeerRecord.last_plan``: round ``round - 1``'s plan
 this peer obtained, as ``"<leader>/<SHA-256 hex of RoundPlan.to_bytes>"``, :func:`record_ref`). A peer agreeing
 round r without round r - 1's plan (:func:`recover`) reads the references of its voters: the records of its leader
-candidates (established by standing: no fresh identity counts) at round r with its own digest. A reference named by
-more than half of the voters that name one is taken: the plan is read from the DHT under its leader's subkey and
+candidates (established by standing: no fresh identity counts) at round r with its own digest. When at most half
+of those voters name any plan (a joint restart: resumed peers name none), references to plans that cannot be read
+count for nothing, so one rogue's forged reference cannot hold every peer in doubt (red team 48). A reference named
+by more than half of the voters that name one is taken: the plan is read from the DHT under its leader's subkey and
 checked (signed by that leader, this run, round r - 1, the same hash), and the peer then holds what the others
 hold, so ``lead_problem`` is again the same for everyone. The plan stays readable long enough: it lives until its
 round's exchange deadline + 30 s and at least 120 s (``plan.agree.plan_expiration``), read here past its round's end.
@@ -92,14 +94,25 @@ async def recover(
 ) -> Optional[Recovered]:
     """Round ``r - 1``'s plan as ``voters`` (this peer's leader candidates, itself left out) name it in their
     records at round ``r`` and weights ``digest`` (this peer's state), read with ``read``. None when none names one
-    (no rule applies, as before). Otherwise a :class:`Recovered`: ``plan`` set when more than half of the references
-    named are one and that plan was read and checked; else in doubt with the plans named (at most
+    (no rule applies, as before). When no more than half of the voters at that round and state name one (red team
+    48: a joint restart), the references whose plan cannot be read are left out first (None when none is left).
+    Otherwise a :class:`Recovered`: ``plan`` set when more than half of the
+    references named are one and that plan was read and checked; else in doubt with the plans named (at most
     :data:`MAX_DOUBT_PLANS`), none when one of them could not be read (a peer in doubt then accepts no plan). Never
     raises on what the DHT holds."""
+    records = list(records)
     refs = named_refs(records, r, digest, voters)
     if not refs:
         return None
-    total = sum(refs.values())
+    who = set(voters)
+    n = len({x.peer_id for x in records if x.peer_id in who and x.round == r and digest and x.weights_digest == digest})
+    if refs.total() * 2 <= n:
+        # Most voters name no plan (a joint restart: resumed peers name none): a reference that cannot be read is no
+        # reason to doubt here, or one rogue's forged reference would hold every peer in doubt (red team 48)
+        refs = await _readable(read, r, refs)
+        if not refs:
+            return None  # no rule applies, as before 0.16.0
+    total = refs.total()
     (top, votes), *_ = refs.most_common(1)
     if votes * 2 > total:
         leader, sha = parse_ref(top) or ("", "")
@@ -118,7 +131,7 @@ async def recover(
             read_ok.append(plan)
         else:
             whys.append(why)
-    split = ", ".join(f"{(parse_ref(k) or ('?',))[0][:10]} x{n}" for k, n in sorted(refs.items()))
+    split = ", ".join(f"{(parse_ref(k) or ('?',))[0][:10]} x{c}" for k, c in sorted(refs.items()))
     # One plan named and not read may be the real one: judging by the others alone would follow the plans a shadow
     # allows (a rogue overwrites or forges the real reference's plan, its shadow stays readable). None is cleared.
     return Recovered(
@@ -126,6 +139,19 @@ async def recover(
         () if whys else tuple(read_ok),
         f"the voters' references split with no majority ({split})" + (f"; {'; '.join(whys)}" if whys else ""),
     )
+
+
+async def _readable(read: PlanRead, r: int, refs: Counter) -> Counter:
+    """``refs`` less the references whose plan of round ``r - 1`` cannot be read and checked (none read, an empty
+    Counter, when more than :data:`MAX_DOUBT_PLANS` are named: a rogue fills the vote)."""
+    if len(refs) > MAX_DOUBT_PLANS:
+        return Counter()
+    out: Counter = Counter()
+    for ref in sorted(refs):
+        leader, sha = parse_ref(ref) or ("", "")
+        if (await read(r - 1, leader, sha))[0] is not None:
+            out[ref] = refs[ref]
+    return out
 
 
 def remember(drv: Any, plan: RoundPlan) -> None:
@@ -146,3 +172,16 @@ def record_ref(drv: Any, round: int) -> Optional[str]:
     round ``round`` is made by it), or None (it obtained none: it sat that round out, or the driver is not built)."""
     plan = (getattr(drv, "_plans_by_round", None) or {}).get(round - 1)
     return plan_ref(plan) if plan is not None else None
+
+
+def forget_since(drv: Any, round: int) -> None:
+    """After a re-sync to a state this peer did not make, of round ``round``: the plans it obtained for rounds
+    ``round - 1`` and later may not be the ones that made that state (it was planned out of one, or its attempt
+    failed while the others retried with another), so they are dropped; the next agreement takes round
+    ``round - 1``'s from its voters (:func:`recover`), and its record names none meanwhile (red team 48)."""
+    held = getattr(drv, "_plans_by_round", None) or {}
+    for k in [k for k in held if k >= round - 1]:
+        del held[k]
+    seen = getattr(drv, "_plan_seen", None)
+    if seen is not None and seen.round >= round - 1:
+        drv._plan_seen = None

@@ -16,6 +16,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.round.context import LineageEntry, Phase, SwarmEnded
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.exchange import drop_feedback
+from geomesh_p2p.round.last_plan import forget_since
 
 if TYPE_CHECKING:
     from geomesh_p2p.round.driver import RoundDriver
@@ -331,6 +332,7 @@ async def catch_up(drv: RoundDriver) -> None:
         forget_blame(drv)
     if drv.state.digest != before[1] and not drv.state.syncing:
         drv._confirmed_round = drv.state.round  # adopted the swarm's state: its start is confirmed
+        forget_since(drv, drv.state.round)  # the plans it obtained may not have made that state
 
 
 def forget_blame(drv: RoundDriver) -> None:

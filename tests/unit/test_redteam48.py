@@ -10,30 +10,15 @@ import pytest
 
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.agree import PlanStore
-from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round import DhtPlanAgreement
 from geomesh_p2p.round.last_plan import MAX_DOUBT_PLANS, named_refs, parse_ref, plan_ref, record_ref, recover, remember
 from geomesh_p2p.round.planning import doubt_problem, last_round_leaders, lead_problem, recover_last_plan
 from geomesh_p2p.round.resync import catch_up
 from geomesh_p2p.schema.peer import PeerRecord
+from tests.unit.test_last_plan import _named, _peers, _plan
 from tests.unit.test_round import RUN, MemoryDHT, _planner, _record
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _peers(names: str) -> tuple[dict, dict]:
-    ident = {k: Identity.generate() for k in names}
-    return ident, {k: str(i.peer_id) for k, i in ident.items()}
-
-
-def _plan(ident: dict, pid: dict, leader: str, names: str, round: int = 2, accused: tuple = ()) -> RoundPlan:
-    plan = _planner(round)([_record(ident[k], 1.0) for k in names], pid[leader])
-    return RoundPlan.model_validate({**plan.model_dump(), "accused": sorted(pid[a] for a in accused)})
-
-
-def _named(ident: dict, refs: dict) -> list[PeerRecord]:
-    """Records at round 3, digest d0, each naming ``refs[letter]`` (None: nothing)."""
-    return [_record(ident[k], 1.0).model_copy(update={"last_plan": refs.get(k)}) for k in ident]
 
 
 class _Counting:
@@ -153,14 +138,11 @@ async def test_two_rogue_voters_keep_a_newcomer_in_doubt_round_after_round():
     assert taken == [True, True, True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (red team 48): the majority is of the references named, not of the voters: after a joint restart "
-    "(every honest peer resumed from its checkpoint: none names a plan) one rogue's forged reference is 1 of 1, "
-    "unreadable, so every honest peer is in doubt, leads nothing and refuses every plan: the swarm stalls while "
-    "the rogue keeps naming it",
-)
 async def test_one_rogue_reference_after_a_joint_restart_does_not_stall_the_swarm():
+    """After a joint restart (every honest peer resumed from its checkpoint: none names a plan) one rogue's forged
+    reference was 1 of 1, unreadable, and held every honest peer in doubt: it led nothing and refused every plan, the
+    swarm stalled while the rogue kept naming it. Now, most voters naming nothing, an unreadable reference counts for
+    nothing: no rule applies (as before 0.16.0) and the peers agree as usual."""
     ident, pid = _peers("ABCR")
     dht = MemoryDHT()
     cands = [pid[k] for k in "ABCR"]
@@ -178,6 +160,28 @@ async def test_one_rogue_reference_after_a_joint_restart_does_not_stall_the_swar
         # in doubt: no plan of anyone is followed, and this peer leads none (planning.agree drops it as a candidate)
         stalled.append(held is not None and all(doubt_problem(p, held, 3, cands) for p in plans))
     assert stalled == [False, False, False]
+
+
+async def test_after_a_joint_restart_forged_references_count_for_nothing_and_a_readable_shadow_binds_everyone():
+    """Most voters naming nothing: two rogues naming two different forged (unreadable) references leave no rule, as
+    one does (no doubt, no stall); a rogue naming a shadow plan it did store is taken, by every honest peer alike (one
+    rule for all of them: no fork), and the vote is still the majority of the readable references."""
+    ident, pid = _peers("ABCRS")
+    dht = MemoryDHT()
+    voters = [pid[k] for k in "ABCRS"]
+    read = PlanStore(dht.view(), ident["A"], RUN).read_exact
+    forged = _named(ident, {"R": f"{pid['R']}/{'0' * 64}", "S": f"{pid['S']}/{'1' * 64}"})
+    assert await recover(read, forged, 3, "d0", voters) is None
+    shadow = _plan(ident, pid, "R", "ABCRS")
+    assert await PlanStore(dht.view(), ident["R"], RUN).publish(shadow)
+    named = _named(ident, {"R": plan_ref(shadow), "S": f"{pid['S']}/{'1' * 64}"})
+    for me in "ABC":
+        held = await recover(PlanStore(dht.view(), ident[me], RUN).read_exact, named, 3, "d0", voters)
+        assert held is not None and held.plan is not None and held.plan.to_bytes() == shadow.to_bytes()
+    # three of five name: a forged reference is a reason to doubt again (the real plan may be the unreadable one)
+    three = _named(ident, {"A": plan_ref(shadow), "R": f"{pid['R']}/{'0' * 64}", "S": f"{pid['S']}/{'1' * 64}"})
+    held = await recover(read, three, 3, "d0", voters)
+    assert held is not None and held.plan is None and held.doubt == ()
 
 
 # (4) DHT reads ------------------------------------------------------------------------------------------------------
@@ -223,14 +227,12 @@ async def test_reads_per_recovery_one_plan_with_a_majority_at_most_four_in_doubt
 # (5) the record's reference after a re-sync ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (red team 48): a peer that obtained round k - 1's plan P and then adopted the swarm's round k state "
-    "by a re-sync (it was planned out of P, or its attempt failed, while the others retried round k - 1 with P2) "
-    "keeps P: its record names P, which did not make its state, and its lead rule at round k is P's, not the "
-    "others' P2's, so a plan of P2's leader is followed by it and refused as content by the others",
-)
 async def test_a_resync_to_a_state_another_plan_made_drops_the_plan_this_peer_obtained():
+    """A peer that obtained round k - 1's plan P and then adopted the swarm's round k state by a re-sync (planned out
+    of P, or its attempt failed, while the others retried round k - 1 with P2) kept P: its record named P, which did
+    not make its state, and its lead rule at round k was P's, so it followed a plan of P2's leader that the others
+    refuse as content. Now the re-sync drops the plans of rounds k - 1 on (``last_plan.forget_since``) and the next
+    agreement takes P2 from the voters."""
     ident, pid = _peers("ABCX")
     dht = MemoryDHT()
     p_first = _plan(ident, pid, "A", "ABC", round=2)  # X planned out of it; A then vanished, the round failed
