@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Collection, Optional
 
 
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -226,15 +226,41 @@ async def serve_last_parts(node: PeerNode, max_linger_s: float) -> float:
 FINAL_STATE_LINGER_S = 30.0
 
 
-def catching_up(records, me: str, round: int) -> list[str]:
+def catching_up(
+    records, me: str, round: int, start: Optional[tuple[int, str]] = None, participants: Collection[str] = ()
+) -> list[str]:
     """The peers of ``records`` (:class:`~geomesh_p2p.schema.peer.PeerRecord`) that wait for the state of
     ``round``: live, syncing (no digest) and announcing that round (a peer planned out of the last round
-    announces the round after it while it waits for it), ``me`` left out."""
+    announces the round after it while it waits for it), ``me`` left out. With ``start`` (the round before
+    ``round`` and the digest its plan started from: ``RoundPlan.start_digest``), also the live peers announcing
+    that state, less that plan's ``participants`` (one still there finishes the round itself, or was killed: no
+    30 s linger for its record): a peer planned out of that round whose wait for its end passed before this peer finished it (a
+    loaded machine, what planned it out) announces it between two catch-ups, and will download this one
+    (session 48: when every participant read the record then, none served it, and it ended exit 3)."""
     return sorted(
         x.peer_id
         for x in records
-        if x.peer_id != me and not x.leaving and x.weights_digest is None and x.round == round
+        if x.peer_id != me
+        and not x.leaving
+        and (
+            (x.weights_digest is None and x.round == round)
+            or (
+                start is not None
+                and x.peer_id not in participants
+                and x.weights_digest is not None
+                and (x.round, x.weights_digest) == start
+            )
+        )
     )
+
+
+def final_plan_start(node: PeerNode) -> tuple[Optional[tuple[int, str]], list[str]]:
+    """(round, start digest) of the plan of the round before ``node.round`` that this peer followed (the last round
+    it finished), and its participants; (None, []) without one: the state a peer planned out of that round holds."""
+    plan = getattr(getattr(node, "_round_driver", None), "last_plan", None)
+    if plan is None or plan.round != node.round - 1 or not plan.start_digest:
+        return None, []
+    return (plan.round, plan.start_digest), list(plan.participants())
 
 
 async def serve_final_state(
@@ -255,7 +281,8 @@ async def serve_final_state(
     waiting: list[str] = []
     try:
         while True:
-            waiting = catching_up(await node.peers(include_leaving=True), node.me, node.round)
+            start, participants = final_plan_start(node)
+            waiting = catching_up(await node.peers(include_leaving=True), node.me, node.round, start, participants)
             if not waiting or time.monotonic() >= deadline:
                 break
             if not said:

@@ -84,3 +84,31 @@ async def test_a_failed_read_ends_the_wait():
 
     node.peers = peers
     assert await serve_final_state(node, poll_s=0.01) == []
+
+
+def test_a_peer_holding_the_last_rounds_start_state_is_catching_up_to_its_end():
+    """Session 48: a peer planned out of the last round (2) whose wait for its end passed announces the round's start
+    state (round 2, the plan's start digest) between two catch-ups; a trainer that read its record then exited, and
+    it ended exit 3. With the plan's start, it is served; another state, or a leaving peer, is not waited for."""
+    me, a, b, c, d = _ids(5)
+    recs = [
+        peer_record(me, round=3, weights_digest="y"),
+        peer_record(d, round=2, weights_digest="x"),  # a participant: finishes round 2 itself, or was killed
+        peer_record(a, round=2, weights_digest="x"),  # planned out of round 2: holds its start, will catch up
+        peer_record(b, round=2, weights_digest="z"),  # another state: not this run's lineage
+        peer_record(c, round=2, weights_digest="x", leaving=True),
+    ]
+    assert catching_up(recs, me, 3) == []  # before: nobody, and the trainer exited
+    assert catching_up(recs, me, 3, (2, "x"), [me, d]) == [a]
+
+
+def test_the_start_served_is_the_plan_of_the_round_before_this_one():
+    from geomesh_p2p.node.report import final_plan_start
+
+    me = _ids(1)[0]
+    plan = SimpleNamespace(round=2, start_digest="x", participants=lambda: [me])
+    node = SimpleNamespace(me=me, round=3, _round_driver=SimpleNamespace(last_plan=plan))
+    assert final_plan_start(node) == ((2, "x"), [me])
+    node.round = 4  # its last plan is of an older round (it caught up since): no start to serve
+    assert final_plan_start(node) == (None, [])
+    assert final_plan_start(SimpleNamespace(me=me, round=3)) == (None, [])  # no driver (stopped before its rounds)

@@ -649,3 +649,99 @@ async def test_a_swarm_that_ended_is_said_without_a_wait_line_before_it():
         assert await asyncio.wait_for(drv2.gather(set(), first=False), 10) is None
     assert [e.get("alone") for e in waiting2] == [True]
     assert "(--min-peers 3; --min-peers 1 would train on alone): waiting up to 3 s" in waiting2[0]["message"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_a_peer_planned_out_of_the_last_round_ends_holding_the_state_the_others_made(n):
+    """The case (session 48): a peer run with ``--rounds 3`` that the leader plans out of round 2, the run's last
+    (the no-part penalty a loaded machine gives an honest peer whose push came after its part closed). It must end
+    as the trainers do: holding the state of round 3 (their digest), the run not ended without it (exit 0, not 3)."""
+    from tests.unit.test_round_driver import PEERS, RUN
+    from geomesh_p2p.round import leader_order
+
+    peers = _peers(n)
+    ids = [p.me for p in peers]
+    # round 1's leader: round 2's is another (a round is never led by the last round's leader, session 30)
+    out = PEERS[leader_order(RUN, 1, ids)[0]]
+    trainers = [p for p in peers if p is not out]
+
+    def plan_out_of_round_2(p):
+        p.plan_only = {q.me for q in trainers} if p.round == 2 else None
+
+    for p in peers:
+        p.hooks["agree"] = lambda p=p: plan_out_of_round_2(p)
+    with events.capture("planned_out") as planned_out, events.capture("swarm_ended") as ended:
+        await asyncio.wait_for(asyncio.gather(*[p.driver(rounds=3, min_peers=n).run() for p in peers]), 45)
+    assert [(e["peer"], e["round"], e["reason"]) for e in planned_out] == [(out.me, 2, "not_in_plan")]
+    assert [row.round for row in out.drv.history] == [0, 1]
+    assert all([row.round for row in p.drv.history] == [0, 1, 2] for p in trainers)
+    leader = trainers[0]
+    assert {p.digest for p in trainers} == {leader.digest} and {p.round for p in trainers} == {3}
+    assert (out.round, out.digest) == (3, leader.digest) and torch.equal(out.theta, leader.theta)
+    assert out.drv.ended is None and ended == []  # "done", exit 0 (node.report.log_swarm_ended never called)
+
+
+async def test_a_peer_planned_out_of_a_last_round_that_ends_late_still_gets_its_state(monkeypatch):
+    """The case as processes under load show it (session 48, "usually exits 3"): the planned-out peer's wait for the
+    last round's end (the plan's exchange deadline + slack) passes while the trainers still finish it (a loaded
+    machine, what planned the peer out). Its catch-up finds the state it holds backed and it announces that state
+    (round 2, a digest) until its next read; a trainer whose run ended and read the records then saw nobody
+    catching up to round 3 (``node.report.serve_final_state``, before: syncing records only) and exited, and the
+    peer found no donor: it ended "NOT the swarm's", exit 3. Now the trainers serve it: it ends on round 3's state."""
+    from geomesh_p2p.node import report
+    from geomesh_p2p.round import leader_order, planning
+    from tests.unit.test_round_driver import PEERS, RUN
+
+    wait_for_round = planning.wait_for_round
+    monkeypatch.setattr(planning, "wait_for_round", lambda drv, r, timeout_s: wait_for_round(drv, r, 0.2))
+    peers = _peers(3)
+    ids = [p.me for p in peers]
+    out = PEERS[leader_order(RUN, 1, ids)[0]]
+    trainers = [p for p in peers if p is not out]
+    gone: set[str] = set()
+    window, read = asyncio.Event(), asyncio.Event()  # out announces round 2 with a digest; a trainer read it then
+
+    for p in peers:
+        p.hooks["agree"] = lambda p=p: setattr(p, "plan_only", {q.me for q in trainers} if p.round == 2 else None)
+
+    async def before_outer_step(r, plan, assignment, ar):
+        if r == 2:  # the round ends after the planned-out peer stopped waiting for it
+            await asyncio.wait_for(window.wait(), 20)
+
+    async def catch_up(orig=out.catch_up):
+        if {p.me for p in trainers} <= gone:
+            out.catch_ups += 1
+            raise StateSyncError("every donor refused the connection (they exited)")
+        await orig()
+        if out.round == 2 and not window.is_set():  # nothing adopted: its record says round 2 with a digest
+            window.set()
+            await asyncio.wait_for(read.wait(), 20)
+
+    async def run_and_exit(p):
+        await p.drv.run()
+        if p is out:
+            return
+        # node.report.serve_final_state: serve the peers catching up to this round, then exit
+        start, participants = report.final_plan_start(SimpleNamespace(round=p.round, _round_driver=p.drv))
+        for _ in range(40):
+            waiting = report.catching_up(list(p.swarm.records.values()), p.me, p.round, start, participants)
+            read.set()
+            if not waiting:
+                break
+            await asyncio.sleep(0.1)
+        gone.add(p.me)
+
+    for p in trainers:
+        p.before_outer_step = before_outer_step
+    out.catch_up = catch_up
+    for p in peers:
+        p.driver(rounds=3, min_peers=3)
+        p.drv.cfg.hold_leaving_s = 1.0
+    with events.capture("planned_out") as planned_out:
+        await asyncio.wait_for(asyncio.gather(*[run_and_exit(p) for p in peers]), 40)
+    assert window.is_set() and read.is_set()
+    assert {(e["peer"], e["round"], e["reason"]) for e in planned_out} == {(out.me, 2, "not_in_plan")}
+    leader = trainers[0]
+    assert {p.digest for p in trainers} == {leader.digest} and {p.round for p in trainers} == {3}
+    assert out.drv.ended is None, out.drv.ended.why  # before: "NOT the swarm's", exit 3
+    assert (out.round, out.digest) == (3, leader.digest) and torch.equal(out.theta, leader.theta)
