@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -105,11 +106,23 @@ async def _saved_progress(tmp_path, capsys, records: list[dict], pow_bits: str =
     """Run the bootstrap's _serve, store ``records`` (peer_record fields, one identity each) under the
     run's key, stop it, and return the progress its state file saved."""
     state = tmp_path / "boot.state.json"
-    ns = boot_cli.parse(
-        ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / "b.key")]
-        + ["--state-file", str(state), "--status-interval", "3600"]
-        + ["--pow-bits", pow_bits]  # the records below carry no proof of work
-    )
+    argv = ["--identity", str(tmp_path / "b.key"), "--state-file", str(state), "--status-interval", "3600"]
+    # the records below carry no proof of work
+    async with _bootstrap(capsys, argv + ["--pow-bits", pow_bits]) as (node, stop, served):
+        for fields in records:
+            ident = Identity.generate()
+            rec = peer_record(ident, **{"weights_digest": "ab" * 32, **fields})  # holds a state
+            assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
+        stop.set()
+        assert await asyncio.wait_for(served, 30) == 0
+        return json.loads(state.read_text())["progress"]
+
+
+@contextlib.asynccontextmanager
+async def _bootstrap(capsys, argv: list[str]):
+    """A bootstrap (``bootstrap.cli._serve`` of run RUN on 127.0.0.1, port 0, ``argv`` added) and a DHT node joined
+    to it: yields (node, stop event, the serve task); both are stopped on exit, also when the test fails."""
+    ns = boot_cli.parse(["--host", "127.0.0.1", "--port", "0", "--run-id", RUN] + argv)
     stop = asyncio.Event()
     served = asyncio.ensure_future(boot_cli._serve(ns, Identity.load_or_create(ns.identity), None, None, stop))
     node = None
@@ -122,13 +135,7 @@ async def _saved_progress(tmp_path, capsys, records: list[dict], pow_bits: str =
             if address is None:
                 await asyncio.sleep(0.05)
         node = await start_node([address])
-        for fields in records:
-            ident = Identity.generate()
-            rec = peer_record(ident, **{"weights_digest": "ab" * 32, **fields})  # holds a state
-            assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + 600, subkey=rec.peer_id, owner=ident)
-        stop.set()
-        assert await asyncio.wait_for(served, 30) == 0
-        return json.loads(state.read_text())["progress"]
+        yield node, stop, served
     finally:
         stop.set()
         if not served.done():
@@ -191,22 +198,8 @@ async def test_a_round_a_lone_peer_disowned_is_given_back(tmp_path, capsys):
     (node.report.disowned): the bootstrap gives the round back (4); a leaving record holding a state keeps 5."""
     for digest, kept in ((None, 4), ("cd" * 32, 5)):
         state = tmp_path / f"boot-{kept}.state.json"
-        ns = boot_cli.parse(
-            ["--host", "127.0.0.1", "--port", "0", "--run-id", RUN, "--identity", str(tmp_path / f"b{kept}.key")]
-            + ["--state-file", str(state), "--status-interval", "0.2", "--pow-bits", "0"]
-        )
-        stop = asyncio.Event()
-        served = asyncio.ensure_future(boot_cli._serve(ns, Identity.load_or_create(ns.identity), None, None, stop))
-        node = None
-        try:
-            address = None
-            while address is None:  # printed once the transport listens
-                assert not served.done(), capsys.readouterr()
-                m = re.search(r"serving on (\S+)", capsys.readouterr().out)
-                address = m.group(1) if m else None
-                if address is None:
-                    await asyncio.sleep(0.05)
-            node = await start_node([address])
+        argv = ["--identity", str(tmp_path / f"b{kept}.key"), "--state-file", str(state), "--status-interval", "0.2"]
+        async with _bootstrap(capsys, argv + ["--pow-bits", "0"]) as (node, stop, served):
             lone, other = Identity.generate(), Identity.generate()
 
             async def put(ident, expires_s, **fields):
@@ -227,10 +220,3 @@ async def test_a_round_a_lone_peer_disowned_is_given_back(tmp_path, capsys):
             stop.set()
             assert await asyncio.wait_for(served, 30) == 0
             assert json.loads(state.read_text())["progress"]["round"] == kept
-        finally:
-            stop.set()
-            if not served.done():
-                served.cancel()
-            await asyncio.gather(served, return_exceptions=True)
-            if node is not None:
-                await stop_node(node)

@@ -34,6 +34,17 @@ def _named(ident: dict, refs: dict) -> list[PeerRecord]:
     return [_record(ident[k], 1.0).model_copy(update={"last_plan": refs.get(k)}) for k in ident]
 
 
+async def _published_real_and_shadow():
+    """Peers L X Y B A; round 2's real plan (L leads, X accused) and Y's shadow of it, both stored in a fresh
+    in-memory DHT: (ident, pid, dht, real, shadow)."""
+    ident, pid = _peers("LXYBA")
+    dht = MemoryDHT()
+    real, shadow = _plan(ident, pid, "L", "LXYB", accused=("X",)), _plan(ident, pid, "Y", "LXYB")
+    assert await PlanStore(dht.view(), ident["L"], RUN).publish(real)
+    assert await PlanStore(dht.view(), ident["Y"], RUN).publish(shadow)
+    return ident, pid, dht, real, shadow
+
+
 def test_a_reference_names_the_leader_and_the_plans_bytes_hash_and_a_malformed_one_is_none():
     ident, pid = _peers("LX")
     plan = _plan(ident, pid, "L", "LX")
@@ -91,11 +102,7 @@ async def test_the_exact_read_returns_the_referenced_plan_past_its_end_and_refus
 
 
 async def test_the_vote_takes_the_majority_reference_and_counts_only_voters_at_this_round_and_digest():
-    ident, pid = _peers("LXYBA")
-    dht = MemoryDHT()
-    real, shadow = _plan(ident, pid, "L", "LXYB", accused=("X",)), _plan(ident, pid, "Y", "LXYB")
-    assert await PlanStore(dht.view(), ident["L"], RUN).publish(real)
-    assert await PlanStore(dht.view(), ident["Y"], RUN).publish(shadow)
+    ident, pid, dht, real, shadow = await _published_real_and_shadow()
     read = PlanStore(dht.view(), ident["A"], RUN).read_exact
     voters = [pid[k] for k in "LXYB"]
     records = _named(ident, {"X": plan_ref(real), "B": plan_ref(real), "Y": plan_ref(shadow)})
@@ -189,11 +196,7 @@ async def test_the_driver_takes_the_named_plan_once_and_not_while_it_holds_round
 
 
 async def test_a_driver_in_doubt_warns_once_a_round_and_returns_the_doubt():
-    ident, pid = _peers("LXYBA")
-    dht = MemoryDHT()
-    real, shadow = _plan(ident, pid, "L", "LXYB", accused=("X",)), _plan(ident, pid, "Y", "LXYB")
-    assert await PlanStore(dht.view(), ident["L"], RUN).publish(real)
-    assert await PlanStore(dht.view(), ident["Y"], RUN).publish(shadow)
+    ident, pid, dht, real, shadow = await _published_real_and_shadow()
     store = PlanStore(dht.view(), ident["A"], RUN)
     drv = SimpleNamespace(
         _plan_seen=None,
