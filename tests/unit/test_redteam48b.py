@@ -44,15 +44,13 @@ NO_SUCH_NAME = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open (red team 48b): a DNS server that does not answer ends the pre-flight, exit 2"
-)
 @pytest.mark.parametrize("reason", TRANSIENT_DNS)
 def test_a_dns_server_that_does_not_answer_is_no_bootstrap_that_can_never_work(reason):
     """Red team 48b: ``_UNRESOLVABLE`` matched "address lookup failed" / "DNS resolution failed", the prefix gRPC
     puts before *every* failed look-up, so a resolver briefly down (a machine or container started before its
     network, a DNS outage) made the pre-flight exit 2 at once: "--bootstrap boot.example:31337: host name does not
-    resolve", where a retry would have joined (before session 48: a WARNING, then the join's retries)."""
+    resolve", where a retry would have joined (before session 48: a WARNING, then the join's retries). Fixed: those
+    words (``_DNS_TRANSIENT``) are no unresolvable name."""
     r = _unavailable(reason)
     assert not preflight.permanent_failure(r)
     assert not preflight.final_failure(r)  # the join retries it
