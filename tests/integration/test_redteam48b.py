@@ -18,9 +18,6 @@ from tests.records_util import peer_record
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open (red team 48b): a digest-less leaving record gives back rounds a swarm trained"
-)
 @pytest.mark.parametrize("who", ["rogue", "survivor"])
 async def test_a_digest_less_leaving_record_does_not_undo_rounds_several_peers_trained(tmp_path, capsys, who):
     """Red team 48b: ``rose_from`` was the progress before the *first* live rise the bootstrap saw (round 0 of a run
@@ -31,7 +28,8 @@ async def test_a_digest_less_leaving_record_does_not_undo_rounds_several_peers_t
     then found the swarm empty started from the seed silently (``on_empty_swarm``: no run known past round 0).
     ``who``: a rogue's leaving record at round 101, or an honest survivor's at round 100 (it trained with the two,
     waited alone and ended not synced: "the swarm confirmed it, and where the swarm ended is unknown").
-    Rounds that two or more live peers reached are no lone peer's fork: they stand."""
+    Rounds that two or more live peers reached are no lone peer's fork: they stand (fixed: such a round clears
+    ``rose_from``)."""
     state = tmp_path / "boot.state.json"
     argv = ["--identity", str(tmp_path / "b.key"), "--state-file", str(state), "--status-interval", "0.2"]
     async with _bootstrap(capsys, argv + ["--pow-bits", "0"]) as (node, stop, served):
