@@ -92,10 +92,6 @@ def test_a_rogue_announcing_the_last_plans_start_state_holds_a_finished_peer_no_
     assert report.FINAL_STATE_LINGER_S <= 30
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (red team 48b): a restart under another identity backs its checkpoint with its own old leaving record",
-)
 async def test_a_fork_restarted_under_another_identity_is_not_backed_by_its_own_old_leaving_record():
     """Red team 47b's guarantee, another identity: the others left at round 4; this peer trained round 4 alone
     (--min-peers 1) and was stopped at round 5 (Ctrl+C: its leaving record names round 5 and its digest). Restarted
@@ -103,8 +99,9 @@ async def test_a_fork_restarted_under_another_identity_is_not_backed_by_its_own_
     key (another machine, a lost key file) its old record is "another peer that left at this state": the start is
     backed (``_start_backed``, read at start since helper-ux48, so a restart within the record's ~30-40 s suffices),
     and it ends "this peer was the whole swarm", synced, exit 0. The checkpoint names the PeerID that wrote it
-    (``joining.warn_if_identity_changed``): that identity's record is no other peer's evidence. (A rogue that copies
-    the round and digest into a leaving record of its own is the same claim and cannot be told apart: security.md.)"""
+    (``joining.warn_if_other_identity``): that identity's record is no other peer's evidence (fixed: ``written_by``).
+    (A rogue that copies the round and digest into a leaving record of its own is the same claim and cannot be told
+    apart: security.md.)"""
     me, a, old = _peers(3)
     _finished(a, 4, 0.25)
     _finished(old, 5, 0.5)  # this peer's previous session, under its old identity
@@ -114,8 +111,7 @@ async def test_a_fork_restarted_under_another_identity_is_not_backed_by_its_own_
     me.theta = old.theta.clone()
     me.round, me.digest, me.model = 5, _digest(me.theta), me.theta.clone()
     drv = me.driver(rounds=9, min_peers=2, wait_peers_s=3.0, clock=FakeClock())
-    drv.checkpoint_writer = old.me  # what the checkpoint's meta says (a driver has no such port yet)
-    with events.capture("swarm_ended") as ended:
-        await asyncio.wait_for(drv.run(known_round=4), 30)
+    with events.capture("swarm_ended") as ended:  # written_by: what the checkpoint's meta says (RoundState)
+        await asyncio.wait_for(drv.run(known_round=4, written_by=old.me), 30)
     assert drv.ended is not None and [(e["cause"], e["synced"]) for e in ended] == [("alone", False)]
     assert drv.ended.round == 6 and not drv.ended.synced
