@@ -369,7 +369,18 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
         now = progress_of(held, me, time.time())  # the config most records announce, and its round
         live = now is not None and any(not r.leaving and (r.run_config_hash or "") == now.config_hash for r in held)
         if now is not None and (live or progress is None or now.round > progress.round):
-            if live and progress is not None and now.round > progress.round and rose_from is None:
+            # A round two or more live peers reached is the swarm's, no lone peer's fork: nothing up to it is given
+            # back. rose_from was the progress before the first rise ever seen (round 0 of a run watched from its
+            # start), and after a crash one digest-less leaving record (a rogue's, or a survivor's that ended "NOT
+            # known to be the swarm's last") gave back every round of the run (red team 48b).
+            several = {
+                r.peer_id
+                for r in held
+                if not r.leaving and r.round >= now.round and (r.run_config_hash or "") == now.config_hash
+            }
+            if len(several) >= 2:
+                rose_from = None
+            elif live and progress is not None and now.round > progress.round and rose_from is None:
                 rose_from = progress
             progress = now
             await publish_progress(node, progress, identity)

@@ -114,10 +114,17 @@ def _not_grpc(reason: Optional[str]) -> bool:
     return any(m in text for m in _NOT_GRPC)
 
 
+#: What they add when the look-up failed *now*, not the name (a DNS server down or slow, a machine or container started
+#: before its network): gRPC's prefix above ("address lookup failed") comes before these too, and the pre-flight
+#: ended such a start at once, exit 2, where a retry joins (red team 48b); lower-case substrings.
+_DNS_TRANSIENT = ("could not contact dns servers", "timeout while contacting dns servers", "temporary failure in name")
+
+
 def _unresolvable(reason: Optional[str]) -> bool:
-    """Whether a call failed because its host name does not resolve (a typo: no point in retrying)."""
+    """Whether a call failed because its host name does not resolve (a typo: no point in retrying); not when the
+    resolver could not be asked (:data:`_DNS_TRANSIENT`)."""
     text = (reason or "").lower()
-    return any(m in text for m in _UNRESOLVABLE)
+    return any(m in text for m in _UNRESOLVABLE) and not any(m in text for m in _DNS_TRANSIENT)
 
 
 #: What gRPC says of a call that got no connection, worded short for a log line (substring, lower case -> words).

@@ -392,6 +392,7 @@ def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
     had before (red team, session 13: a peer that caught up from round 3 to 19 refused round 19's pushes to the
     part it owned, and the round's digests split)."""
     node._set_state(round, theta, momentum)
+    node.rs.written_by = None  # the state is a donor's now, not the resumed checkpoint's
     # every level of the exchange (the grouped one forwards to the one-level service)
     collective = getattr(node, "grouped", None) or getattr(node, "collective", None)
     if collective is not None:
@@ -447,7 +448,8 @@ async def resume_from(node: PeerNode, ck) -> None:
         raise UserFacingError(
             f"checkpoint in {node.cfg.checkpoint_dir} holds {theta.numel()} weights, this run's model has {node.numel}"
         )
-    warn_if_other_identity(node, rnd, meta.get("meta") or {})
+    if warn_if_other_identity(node, rnd, meta.get("meta") or {}):
+        node.rs.written_by = (meta.get("meta") or {}).get("peer_id")  # its records back nothing (RoundDriver.run)
     await asyncio.to_thread(node._set_state, rnd, theta, momentum)
     round_log = getattr(node, "round_log", None)
     if round_log is not None:  # /metrics said round 0 until the first round after a resume

@@ -199,6 +199,9 @@ class RoundDriver:
         #: a previous session's leaving record at :attr:`_start` (round and digest) was read as this session began
         #: (:meth:`run`): the evidence :func:`~geomesh_p2p.round.resync.left_alone` needs, kept past its expiry
         self._start_backed = False
+        #: the PeerID that wrote the checkpoint this session resumed, when another identity (:meth:`run`): its leaving
+        #: record is that checkpoint's own word, no backing of :func:`~geomesh_p2p.round.resync.left_alone`
+        self._written_by: Optional[str] = None
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()
@@ -323,12 +326,14 @@ class RoundDriver:
             self.progressed_at = self.clock.monotonic()
 
     # ------------------------------------------------------------------ the loop
-    async def run(self, known_round: int = 0) -> None:
+    async def run(self, known_round: int = 0, written_by: Optional[str] = None) -> None:
         """Rounds until done. Catches up first whenever the swarm holds a later round. A background
         evaluation still running at the end is waited for (its thread cannot be cancelled). ``known_round``: the
         newest round the join knew the run at (``RoundState.known_round``); past round 0, a session starting at round
         0 is not the whole swarm (red team 46: a peer resumed from a round-0 checkpoint of a run that had reached
-        round 15 trained alone, then ended "its state is the run's", synced, exit 0)."""
+        round 15 trained alone, then ended "its state is the run's", synced, exit 0). ``written_by``: the PeerID that
+        wrote the checkpoint this session resumed, when another identity (``RoundState.written_by``): its leaving
+        record backs no start (red team 48b: a fork restarted under a new key was backed by its own old record)."""
         # The state this session starts from (round 0, or a checkpoint's round on --resume) counts as confirmed: what
         # this peer noted before it (its restored standing credits and penalties) is never dropped as an
         # unconfirmed lineage's by a re-sync (a fresh-user trial, session 31: a peer resumed at round 24 behind the
@@ -346,8 +351,10 @@ class RoundDriver:
         # ~30-40 s at the defaults) before the wait, the lone round and the second wait are over, and read only at
         # the end they were gone even when this peer was restarted 4 s after the others left (fresh user 48: exit 3)
         at_start = [r for r in await self._records_at_start() if r.peer_id != self.me]
+        self._written_by = written_by
         self._start_backed = r0 <= 0 or any(
-            self.left_before(r) and (r.round, r.weights_digest) == (r0, self.state.digest) for r in at_start
+            self.left_before(r) and (r.round, r.weights_digest) == (r0, self.state.digest) and r.peer_id != written_by
+            for r in at_start
         )
         self._whole_swarm = (known_round <= 0 if r0 == 0 else 0 < known_round <= r0) and all(
             self.left_before(r) for r in at_start + [r for p, (r, _) in self._recent.items() if p != self.me]

@@ -152,7 +152,10 @@ def left_alone(drv: RoundDriver, everyone: Sequence[PeerRecord], waited_s: float
     backed = (
         r0 <= 0
         or drv._start_backed
-        or any(drv.left_before(x) and (x.round, x.weights_digest) == (r0, d0) for x in others)
+        or any(
+            drv.left_before(x) and (x.round, x.weights_digest) == (r0, d0) and x.peer_id != drv._written_by
+            for x in others
+        )
     )
     if drv._whole_swarm and backed and all(drv.left_before(x) for x in others):
         # No other peer ever: nobody else's digest can confirm the state, yet this peer's own rounds made the run's

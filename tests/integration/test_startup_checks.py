@@ -22,6 +22,7 @@ from geomesh_p2p.net.addr import listen_problem
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.net.transport import RpcError
 from geomesh_p2p.node import joining
+from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.sync import download
 from geomesh_p2p.trust.admission import pow_done_line
 from tests.dht_helpers import start_node
@@ -309,11 +310,13 @@ async def test_resume_from_a_checkpoint_of_another_peer_id_warns_then_resumes(ca
         penalties=SimpleNamespace(restore=lambda m: None),
         profile=SimpleNamespace(restore_delivered=lambda m, r: None),
         digest=None,
+        rs=RoundState(),
     )
     old = str(Identity.generate().peer_id)
     meta = {"run_config_hash": run.config_hash(), "meta": {"peer_id": old, "identity": "/old/id.key"}}
     await joining.resume_from(node, (7, torch.zeros(4), torch.zeros(4), meta))
     assert taken == [7]
+    assert node.rs.written_by == old  # its leaving record backs no start of this peer (red team 48b)
     messages = [r.getMessage() for r in caplog.records]
     warned = [m for m in messages if m.startswith("--resume: the checkpoint of round 7")]
     assert len(warned) == 1 and old in warned[0] and node.me in warned[0] and "/old/id.key" in warned[0]

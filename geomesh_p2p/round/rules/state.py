@@ -32,6 +32,9 @@ class RoundState:
         known_round: the newest round the join knew the run at (a bootstrap's remembered progress, the vote of the
             leaving peers' records: node/joining.py; 0 when none, or ``--on-empty-swarm seed``): a session that
             starts at round 0 behind it is not the whole swarm (``RoundDriver.run``).
+        written_by: the PeerID (base58) that wrote the checkpoint this peer resumed from, when another identity than
+            this peer's (None otherwise, and once a catch-up replaced that state): its leaving record is that
+            checkpoint's own word, no other peer's evidence of it (``RoundDriver.run``; red team 48b).
     """
 
     me: Optional[str] = None
@@ -43,3 +46,4 @@ class RoundState:
     history: list[Any] = field(default_factory=list)
     theta_maxabs: Optional[float] = None
     known_round: int = 0
+    written_by: Optional[str] = None
