@@ -312,14 +312,27 @@ def test_the_queue_calls_on_done_after_each_job_that_ended_with_its_result_alrea
     def boom(pace):
         raise ValueError("a job that fails")
 
+    started, gate = threading.Event(), threading.Event()
+
+    def hold(pace):
+        started.set()
+        gate.wait(30)
+        return "h"
+
     try:
+        # the worker busy with a holding job while the three are queued: otherwise it may take job 1 before job 3
+        # is submitted (CI at 32df900: under load it did, and ran 1 before 3)
+        q.submit(CheckJob(0, "check", hold))
+        assert started.wait(30)
         q.submit(CheckJob(1, "check", lambda pace: "a"))
         q.submit(CheckJob(2, "check", boom))
         q.submit(CheckJob(3, "screen", lambda pace: "c"))  # the first lane: run first
+        gate.set()
         assert q.wait_idle(30)
-        assert seen == [1, 2, 3]
+        assert seen == [1, 2, 3, 4]
         got = q.results()
         assert [(j.round, r, type(e).__name__ if e else None) for j, r, e in got] == [
+            (0, "h", None),
             (3, "c", None),
             (1, "a", None),
             (2, None, "ValueError"),
