@@ -118,6 +118,18 @@ async def _saved_progress(tmp_path, capsys, records: list[dict], pow_bits: str =
         return json.loads(state.read_text())["progress"]
 
 
+async def _put(node, ident, expires_s: float, **fields) -> None:
+    """Store ``ident``'s record (peer_record ``fields``) under the run's key for ``expires_s`` seconds."""
+    rec = peer_record(ident, **fields)
+    assert await node.store(peers_key(RUN), rec.to_bytes(), time.time() + expires_s, subkey=rec.peer_id, owner=ident)
+
+
+async def _remembered(node, round: int) -> bool:
+    """Whether the run's published progress says ``round``."""
+    p = await swarm_progress(node, RUN)
+    return p is not None and p.round == round
+
+
 @contextlib.asynccontextmanager
 async def _bootstrap(capsys, argv: list[str]):
     """A bootstrap (``bootstrap.cli._serve`` of run RUN on 127.0.0.1, port 0, ``argv`` added) and a DHT node joined
@@ -202,15 +214,11 @@ async def test_a_round_a_lone_peer_disowned_is_given_back(tmp_path, capsys):
         async with _bootstrap(capsys, argv + ["--pow-bits", "0"]) as (node, stop, served):
             lone, other = Identity.generate(), Identity.generate()
 
-            async def put(ident, expires_s, **fields):
-                rec = peer_record(ident, **fields)
-                assert await node.store(
-                    peers_key(RUN), rec.to_bytes(), time.time() + expires_s, subkey=rec.peer_id, owner=ident
-                )
+            def put(ident, expires_s, **fields):
+                return _put(node, ident, expires_s, **fields)
 
-            async def remembered(round):
-                p = await swarm_progress(node, RUN)
-                return p is not None and p.round == round
+            def remembered(round):
+                return _remembered(node, round)
 
             await put(other, 600, round=4, leaving=True, weights_digest="ab" * 32)  # left at round 4
             await wait_for(lambda: remembered(4), 20, what="round 4 remembered")

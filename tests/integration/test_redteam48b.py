@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
-from geomesh_p2p.dht import live_peers, peers_key, swarm_progress
+from geomesh_p2p.dht import live_peers
 from geomesh_p2p.net.identity import Identity
 from tests.dht_helpers import RUN, wait_for
-from tests.integration.test_dht_progress import _bootstrap
-from tests.records_util import peer_record
+from tests.integration.test_dht_progress import _bootstrap, _put, _remembered
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,15 +33,11 @@ async def test_a_digest_less_leaving_record_does_not_undo_rounds_several_peers_t
     async with _bootstrap(capsys, argv + ["--pow-bits", "0"]) as (node, stop, served):
         a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
 
-        async def put(ident, expires_s, **fields):
-            rec = peer_record(ident, **fields)
-            assert await node.store(
-                peers_key(RUN), rec.to_bytes(), time.time() + expires_s, subkey=rec.peer_id, owner=ident
-            )
+        def put(ident, expires_s, **fields):
+            return _put(node, ident, expires_s, **fields)
 
-        async def remembered(round):
-            p = await swarm_progress(node, RUN)
-            return p is not None and p.round == round
+        def remembered(round):
+            return _remembered(node, round)
 
         async def crashed():
             ids = {r.peer_id for r in await live_peers(node, RUN, include_leaving=True)}
