@@ -18,7 +18,10 @@ leader election starts from) is a **light follower** instead:
 
 It never publishes a plan. Whatever it cannot decide from the plan and the sample sends it back to the full
 path for the same round (gather, full agreement): no plan in time, a plan led by a peer outside the last
-plan's established participants, a plan its checks refuse, a stall. So a light follower either follows the
+plan's established participants, a plan its checks refuse, a stall. A refused plan of a participant the full path
+may let lead (its ledger's bars: the last round's leader and accused included, whom the full path lets lead once no
+other of them is live, which only its records read tells) hands the round over as soon as that plan's settle ends,
+not after the whole agreement (session 49). So a light follower either follows the
 plan the full path would pick, or takes the full path. What it gives up is a lie about an unsampled
 participant's figures, which each light follower sees with probability (sample size / participants) and the
 full-view peers see in full (they then sit the round out rather than fork, :class:`PlanRefused`).
@@ -151,11 +154,18 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
     established = [a.peer_id for a in prev.assignments if not a.probation]
     # no self-succession, and none of the accused of round r - 1's plan while another can (planning.next_leaders)
     took = set(_may_take_over(prev, established))
+    barred = {p for p in established if p not in took}
     established = [p for p in established if p in took] or established
     # The candidates whose turns pace the plan reads (obtain_plan wakes at each take-over instant): the full-view
     # peers (is_light's order, so a barred no-show neither paces the reads nor blocks as a refused candidate); every
     # stored plan is read whoever leads it.
     candidates = [p for p in (lead_order(drv, prev, r) or [])[: drv.cfg.full_view_peers] if p != drv.me]
+    # The participants the full path may let lead under some liveness (its ledger's bars, none of the levels):
+    # others may follow their plans, so one refused here is handed to the full path once its settle ends
+    # (obtain_plan's authorities: PlanRefused), not waited out as absent. Session 49 (CI, test_ctrl_c...): c2 left
+    # after round 0, c0 (its leader) led round 1 as the full path's last level, and this newcomer, barring c0 while
+    # c2 was established in round 0's plan, waited the whole agreement for c2's plan, then came too late for c0's.
+    authorities = [p for p in (drv.policy.may_lead_ids((), prev.participants()) or []) if p != drv.me]
 
     def on_provisional(p: RoundPlan) -> None:
         # as the full path (planning.agree): train on the plan most likely followed while the settle runs
@@ -174,6 +184,11 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
             # path each round, or the last round's leader, which the full path refuses as content); whether the
             # full-view peers may follow it is asked once the choice is made.
             outsiders.add(p.leader)
+            if p.leader in barred:  # the full path lets it lead where no other of them is live: records say
+                return (
+                    f"its leader {p.leader[:10]} led round {prev.round} or was named accused in it, and leads only "
+                    "where no other established participant of it is live"
+                )
             return f"its leader {p.leader[:10]} was no established participant of round {prev.round}"
         return drv.policy.sampled_plan_problem(p, {}, ())
 
@@ -188,6 +203,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> Optional[bool]:
             candidates=candidates,
             plan_timeout_s=drv.cfg.plan_timeout_s,
             provisional=on_provisional,
+            authorities=authorities,
         )
     except PlanRefused as e:
         why = f"it refuses the best-ranked plan ({e.reason})"
