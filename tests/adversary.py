@@ -514,7 +514,7 @@ class AdversaryNode(PeerNode):
             claim = min(tokens, int(self.claim_steps) * int(self._batch) * int(self.run_cfg.seq_len))
             self._note(r, "push", "claiming %d tokens (%d steps' worth; trained %d)", claim, self.claim_steps, tokens)
             return delta, claim
-        if a in ("poison", "drop-owner"):  # honest in form: what it trained goes out unchanged
+        if a in ("poison", "drop-owner", "self-succession"):  # honest in form: what it trained goes out unchanged
             return delta, tokens
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         if a == "partial":  # what it trained, with the claim of its whole plan (the trainer reported it)

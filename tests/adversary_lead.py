@@ -36,43 +36,71 @@ def planned_members(node: Any, members: Sequence) -> list:
 
 class SuccessionAgreement:
     """The round driver's plan agreement (``DhtPlanAgreement``) of a ``self-succession`` rogue: :meth:`agree`
-    first publishes a round plan of this rogue's own when the plan it obtained for the round before is its own,
-    then agrees the round as the honest agreement does. Everything else is the wrapped agreement's."""
+    publishes a round plan of this rogue's own when the plan it obtained for the round before is its own and none is
+    out yet (:meth:`publish_early` usually published it before the gather), then agrees the round as the honest
+    agreement does. Everything else is the wrapped agreement's."""
 
     def __init__(self, inner: Any, driver: Any, node: Any):
         self.inner, self.driver, self.node = inner, driver, node
+        self.published: set[int] = set()  # rounds it published a plan of its own for (one each: no overwrite)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def agree(self, round: int, members: Sequence, make_plan: Any, **kwargs: Any) -> Any:  # noqa: A002
-        me = self.node.me
+    def _due(self, round: int) -> bool:  # noqa: A002
         last = (getattr(self.driver, "_plans_by_round", None) or {}).get(round - 1)
-        if last is not None and last.leader == me and any(m.peer_id != me for m in members):
-            self.node._succeeding = True
-            try:
-                plan = make_plan(members, me)
-                stored = await self.inner.store.publish(plan)
-            except Exception as e:  # its planner deferred or failed, or the DHT: agree honestly
-                log.warning("adversary[self-succession]: round %d: no plan of its own published: %r", round, e)
-            else:
-                self.node._note(
-                    round,
-                    "succession",
-                    "led round %d; published its own plan for round %d anyway (%d participants, stored: %s)",
-                    round - 1,
-                    round,
-                    len(plan.assignments),
-                    stored,
-                )
-            finally:
-                self.node._succeeding = False
+        return round not in self.published and last is not None and last.leader == self.node.me
+
+    async def _publish(self, round: int, members: Sequence, make_plan: Any, when: str) -> None:  # noqa: A002
+        me = self.node.me
+        if not self._due(round) or not any(m.peer_id != me for m in members):
+            return
+        self.published.add(round)
+        self.node._succeeding = True
+        try:
+            plan = make_plan(members, me)
+            stored = await self.inner.store.publish(plan)
+        except Exception as e:  # its planner deferred or failed, or the DHT: agree honestly
+            log.warning("adversary[self-succession]: round %d: no plan of its own published: %r", round, e)
+        else:
+            self.node._note(
+                round,
+                "succession",
+                "led round %d; published its own plan for round %d anyway (%d participants, %s)",
+                round - 1,
+                round,
+                len(plan.assignments),
+                f"{when}, stored" if stored else f"{when}, stored nowhere",
+            )
+        finally:
+            self.node._succeeding = False
+
+    async def publish_early(self) -> None:
+        """Before the gather of its round r (whose waits, e.g. for a peer still downloading, would let an honest
+        leader publish first): its plan over the live records it reads, those of peers still at round r - 1 or
+        syncing included (a plan may name them; a follower checks its start digest against its own)."""
+        drv = self.driver
+        if self._due(drv.state.round):
+            live = [x for x in await drv.membership.peers() if not x.leaving]
+            await self._publish(drv.state.round, live, drv.policy.make_plan, "before its gather")
+
+    async def agree(self, round: int, members: Sequence, make_plan: Any, **kwargs: Any) -> Any:  # noqa: A002
+        await self._publish(round, members, make_plan, "at its agreement")
         return await self.inner.agree(round, members, make_plan, **kwargs)
 
 
 def wrap_driver(driver: Any, node: Any) -> Any:
-    """``driver`` (the node's ``RoundDriver``) with a :class:`SuccessionAgreement` when ``node`` is a
-    ``self-succession`` rogue (once; the driver as it is otherwise)."""
+    """``driver`` (the node's ``RoundDriver``) with a :class:`SuccessionAgreement` and a gather that publishes
+    first (:meth:`SuccessionAgreement.publish_early`) when ``node`` is a ``self-succession`` rogue (once; the driver
+    as it is otherwise)."""
     if node.attack == "self-succession" and not isinstance(driver.plans, SuccessionAgreement):
-        driver.plans = SuccessionAgreement(driver.plans, driver, node)
+        plans = driver.plans = SuccessionAgreement(driver.plans, driver, node)
+        gather = driver.gather
+
+        async def gather_after_publishing(expected: Any, *, first: bool) -> Any:
+            if not first:
+                await plans.publish_early()
+            return await gather(expected, first=first)
+
+        driver.gather = gather_after_publishing
     return driver

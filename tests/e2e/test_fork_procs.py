@@ -14,8 +14,12 @@ as a restarted peer or a newcomer holds none), then publishes its own plan for r
 every honest exit 0; one lineage (``plan_problems`` empty: every trainer wrote each round or was planned out of it,
 every row counts its plan's peers; the honest digests equal each round); no row of round 1 from the rogue's plan;
 the rogue did publish it; ``n`` sat round 0 out under the rogue's plan and, at round 1, took round 0's plan its
-records name (``last_plan_recovered``, the rogue as its leader). With ``recover_last_plan`` switched off, ``n``
-follows the rogue's round 1 plan (docs/security.md "Session 49: the fork attack as processes")."""
+records name (``last_plan_recovered``, the rogue as its leader) and refused the rogue's plan (``plan_refused``). With
+``recover_last_plan`` switched off, ``n`` follows the rogue's round 1 plan: its row of round 1 is the rogue's, on
+another digest than the others' (docs/security.md "Session 49: the fork attack as processes"). ``plan_problems`` alone
+does not see that fork: ``n`` wrote a row of a 4-peer plan, as the others did; the digests and leaders do.
+The rogue publishes before its gather (``tests/adversary_lead.py``): published at its agreement, after a gather that
+waited for ``n``'s download, it came a second after the honest leader's plan, which ``n`` had followed already."""
 
 from __future__ import annotations
 
@@ -83,6 +87,8 @@ def test_a_peer_that_sat_out_the_rogues_round_does_not_follow_its_self_successio
     acted = [(e["round"], e["action"]) for e in swarm.events("rogue", "adversary_acted")]
     assert (1, "succession") in acted, (acted, tails)
     assert [x["round"] for x in swarm.rows("h1")][:1] == [0] and led["h1"][0][1] == rogue[:10], (led, tails)
-    # ... and n judged round 1 by round 0's plan, taken from its voters' records
+    # ... and n judged round 1 by round 0's plan, taken from its voters' records: it read the rogue's plan and refused it
     took = [(e["round"], e.get("leader")) for e in swarm.events("n", "last_plan_recovered")]
     assert took == [(1, rogue)], (took, tails)
+    refused = [(e["round"], e.get("leader")) for e in swarm.events("n", "plan_refused")]
+    assert (1, rogue) in refused, (refused, tails)

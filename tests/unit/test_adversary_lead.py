@@ -41,17 +41,32 @@ def _node(plan_out=()):
 
 async def test_it_publishes_its_own_plan_only_after_leading_the_round_before_and_still_agrees():
     inner, node = _Agreement(), _node(plan_out=["N"])
-    drv = SimpleNamespace(plans=inner, _plans_by_round={0: SimpleNamespace(leader="L")})
-    assert wrap_driver(drv, node) is drv and isinstance(drv.plans, SuccessionAgreement)
-    assert wrap_driver(drv, node).plans.inner is inner and drv.plans.plan_of() == "inner"  # wrapped once
-    members = [SimpleNamespace(peer_id=p) for p in "LHN"]
-    seen = []
+    members = [SimpleNamespace(peer_id=p, leaving=False) for p in "LHN"]
+    seen, gathered = [], []
 
     def make_plan(ms, leader):  # as the rogue's hooked planner: --plan-out applies only to plans it may lead
         seen.append([m.peer_id for m in planned_members(node, ms)])
         return SimpleNamespace(leader=leader, assignments=ms)
 
-    assert await drv.plans.agree(1, members, make_plan) == "followed"
+    async def gather(expected, *, first):
+        gathered.append((first, len(inner.stored)))
+        return members
+
+    async def peers():
+        return members
+
+    drv = SimpleNamespace(
+        plans=inner,
+        _plans_by_round={0: SimpleNamespace(leader="L")},
+        gather=gather,
+        state=SimpleNamespace(round=1),
+        membership=SimpleNamespace(peers=peers),
+        policy=SimpleNamespace(make_plan=make_plan),
+    )
+    assert wrap_driver(drv, node) is drv and isinstance(drv.plans, SuccessionAgreement)
+    assert wrap_driver(drv, node).plans.inner is inner and drv.plans.plan_of() == "inner"  # wrapped once
+    assert await drv.gather(set(), first=False) == members and gathered == [(False, 1)]  # published before gathering
+    assert await drv.plans.agree(1, members, make_plan) == "followed"  # once a round: not again at its agreement
     assert (seen, len(inner.stored), inner.agreed, node.notes) == ([["L", "H", "N"]], 1, [1], [(1, "succession")])
     drv._plans_by_round = {1: SimpleNamespace(leader="H")}  # round 1 led by another: no plan of its own for round 2
     assert await drv.plans.agree(2, members, make_plan) == "followed"
