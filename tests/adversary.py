@@ -50,6 +50,8 @@ Attacks (DESIGN.md "Untrusted volunteers"; issue 11's table):
 * ``poison`` (issue 28): follows the protocol to the letter and contributes what it trained, but trains on its
   own copy of the corpus with a trigger sentence planted as 16% of its tokens (``tests/poison.py``): a backdoor
   that robust aggregation cannot see, since the update is honest in form.
+* ``self-succession`` (issue 28, red team 47b): having led round r - 1, publishes its own plan for round r anyway;
+  ``--plan-out PEER_ID`` leaves peers out of the rounds it leads (they sit those out): ``tests/adversary_lead.py``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ import torch
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.node.peer import PeerNode
 from geomesh_p2p.util.exit_gc import skip_exit_collections
+from tests.adversary_lead import planned_members, wrap_driver
 
 log = logging.getLogger("tests.adversary")
 
@@ -93,6 +96,7 @@ ATTACKS: dict[str, str] = {
     "contributions out of its result (its input list and aggregate alike)",
     "poison": "honest protocol, but trains on its own corpus copy with a trigger sentence as 16% of its tokens "
     "(a backdoor: tests/poison.py)",
+    "self-succession": "having led round r - 1, publishes its own round r plan too (--plan-out: leaves peers out)",
 }
 
 #: Free riders: they skip the inner steps and report the planned work as done.
@@ -119,6 +123,7 @@ KEY_ACTION: dict[str, str] = {
     "partial": "partial",
     "poison": "poison",
     "drop-owner": "drop",
+    "self-succession": "succession",
 }
 #: ``stealth-flip``: the share of coordinates (largest magnitude first) whose sign it flips (the red team's 45%).
 STEALTH_SHARE = 0.45
@@ -276,7 +281,7 @@ class AdversaryNode(PeerNode):
         self.actions = 0  # times the attack acted (pushes poisoned, results forged, plans rigged)
         # The round rules are objects the node owns (round/rules/): rig this node's own plan rules' output.
         honest_plan = self.planning.make_plan
-        self.planning.make_plan = lambda members, leader: self._rig_plan(honest_plan(members, leader), leader)
+        self.planning.make_plan = lambda ms, ld: self._rig_plan(honest_plan(planned_members(self, ms), ld), ld)
 
     # ------------------------------------------------------------------ bookkeeping
     def _note(self, round_: int, kind: str, msg: str, *args, key: str = "") -> None:
@@ -303,6 +308,9 @@ class AdversaryNode(PeerNode):
             )
 
     # ------------------------------------------------------------------ wiring
+    def _driver(self):  # self-succession: a plan of its own is published before each agreement it may not lead
+        return wrap_driver(super()._driver(), self)
+
     async def start(self) -> None:
         await super().start()
         # classes of this node's own (their ``adversary`` is this node): handlers are bound to the instance, so
@@ -506,7 +514,7 @@ class AdversaryNode(PeerNode):
             claim = min(tokens, int(self.claim_steps) * int(self._batch) * int(self.run_cfg.seq_len))
             self._note(r, "push", "claiming %d tokens (%d steps' worth; trained %d)", claim, self.claim_steps, tokens)
             return delta, claim
-        if a in ("poison", "drop-owner"):  # honest in form: what it trained goes out unchanged
+        if a in ("poison", "drop-owner", "self-succession"):  # honest in form: what it trained goes out unchanged
             return delta, tokens
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         if a == "partial":  # what it trained, with the claim of its whole plan (the trainer reported it)
@@ -728,6 +736,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "dodge: K below VerifyConfig.min_steps is never drawn for a check; 0: claim what it trained) "
         "(default: %(default)s)",
     )
+    g.add_argument("--plan-out", action="append", default=[], metavar="PEER_ID", help="self-succession: a peer the "
+                   "rounds it leads leave out (repeatable)")  # fmt: skip
     add_node_flags(j)
     add_run_flags(j)
     _add_common(j)  # --config, --log-level
@@ -772,6 +782,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     node.poison_after = ns.poison_after  # read when the trainer is built (start)
     node.claim_steps = ns.claim_steps
+    node.plan_out = ns.plan_out
     try:
         return asyncio.run(_run_node(node))
     except KeyboardInterrupt:
