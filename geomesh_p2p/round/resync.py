@@ -335,6 +335,8 @@ async def catch_up(drv: RoundDriver) -> None:
         forget_blame(drv)
     if drv.state.digest != before[1] and not drv.state.syncing:
         drv._confirmed_round = drv.state.round  # adopted the swarm's state: its start is confirmed
+        # when it came (swarm time), for the planned-out line's reason only (planning.left_out_why)
+        drv._synced_to = (drv.state.round, drv.clock.time())
         forget_since(drv, drv.state.round)  # the plans it obtained may not have made that state
 
 
