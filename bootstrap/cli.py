@@ -43,7 +43,7 @@ from geomesh_p2p.config.flags import (
 )
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_IDENTITY as DEFAULT_IDENTITY  # noqa: F401  (re-exported)
 from geomesh_p2p.config.models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT  # noqa: F401
-from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig  # noqa: F401
+from geomesh_p2p.config.models import DEFAULT_RUN_ID, BootstrapConfig, run_named  # noqa: F401
 from geomesh_p2p.config.models import DEFAULT_POW_BITS, MAX_POW_BITS
 from geomesh_p2p.net.addr import (
     AddressError,
@@ -136,6 +136,13 @@ def check_state_file(ns: argparse.Namespace) -> Optional[str]:
     path = state_path(ns)
     if not path:
         return None
+    if ns.state_file:  # the default's folder is --identity's, made with the key; a typed one's must be there
+        parent = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+        # a typo must not make folders (fresh user 49: --state-file /nonexist/dir/b3.json made /nonexist/dir)
+        if not os.path.isdir(parent):
+            return f"--state-file {path}: folder {parent} does not exist (the file is created, its folder is not)"
+        if not os.path.exists(path) and not os.access(parent, os.W_OK):
+            return f"--state-file {path}: folder {parent} is not writable"
     try:
         BootstrapState.read(path)
     except StateFileError as e:
@@ -247,7 +254,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
     # the DHT's imports (hivemind, which loads torch) take seconds, a minute on a loaded machine: said first (a
     # fresh-user trial saw ~50 s of silence at load 12 before the "serving on" line). On stdout, with the banner:
     # stderr's lines are the log and a failed start's one line
-    print(f"{PROG} {__version__}: starting run {ns.run_id!r}: loading the DHT's libraries (seconds; longer on a "
+    print(f"{PROG} {__version__}: starting run {run_named(ns.run_id)}: loading the DHT's libraries (seconds; longer on a "
           "loaded machine)", flush=True)  # fmt: skip
     from geomesh_p2p.dht import DHTJoinError, DHTNode, live_peers
     from geomesh_p2p.net.identity import allow_list
@@ -313,7 +320,7 @@ async def _serve(ns: argparse.Namespace, identity, allow_peers, tls, stop: async
                 "(another --http-port, or --http-port 0 for a free one)"
             )
 
-    print(f"{PROG} {__version__}: run {ns.run_id!r}, DHT node serving on {address}", flush=True)
+    print(f"{PROG} {__version__}: run {run_named(ns.run_id)}, DHT node serving on {address}", flush=True)
     print(f"PeerID: {identity.peer_id}", flush=True)
     # stdout, after the address line: a start that fails stays one line on stderr, and the first line the address
     print(writes_line(ns), flush=True)

@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         ns = with_config_file(parser, ns, argv)
-    except ConfigFileError as e:
-        print(f"geomesh-peer: {e}", file=sys.stderr)
+    except ConfigFileError as e:  # the command's name, as its flags' errors say it (fresh user 49)
+        print(f"geomesh-peer {ns.command}: {e}", file=sys.stderr)
         return 2
     home = unknown_home(_command_parser(parser, ns.command), ns)
     if home is not None:  # ~NAME of nobody: pathlib's expanduser raised it as a traceback (red team 43)

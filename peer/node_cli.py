@@ -29,6 +29,7 @@ from geomesh_p2p.util.aio import prestart_default_executor
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.util.malloc import LOW_MEMORY_MMAP_MIB, set_mmap_threshold
 from geomesh_p2p.model.presets import PRESETS
+from peer.path_checks import key_file_problem, writable_dir_problem
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
 # not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
@@ -372,7 +373,24 @@ def check_fast(ns: argparse.Namespace) -> None:
     check_resume_flags(ns)
     if not ns.model_config and ns.model not in PRESETS:
         check_model(ns)  # its message, before torch
+    check_path_flags(ns)
     check_ports(ns)
+
+
+def check_path_flags(ns: argparse.Namespace) -> None:
+    """``--checkpoint-dir`` (made if absent and written into: tried, then undone), ``--identity`` (a key file, or one
+    that can be made) and the ``--tls-*`` files, before torch's import: ``--checkpoint-dir /proc/nope`` failed after
+    torch with exit 1 (fresh user 49). ``--data``, ``--model-config``, ``--allow-peers``, ``--log-json`` and
+    ``--summary-json`` are checked by :func:`run_config_from` and :func:`node_config_from`. Raises ValueError naming
+    the flag (exit 2)."""
+    from geomesh_p2p.net.tls import tls_from_flags
+
+    problem = (
+        writable_dir_problem("--checkpoint-dir", ns.checkpoint_dir) if getattr(ns, "checkpoint_dir", None) else None
+    ) or key_file_problem("--identity", ns.identity)
+    if problem is not None:
+        raise ValueError(problem)
+    tls_from_flags(getattr(ns, "tls_cert", None), getattr(ns, "tls_key", None), getattr(ns, "tls_ca", None))
 
 
 def check_ports(ns: argparse.Namespace) -> None:

@@ -17,11 +17,18 @@ import json
 import math
 import sys
 import time
+from typing import Optional
 
 from geomesh_p2p.config.flags import AppendOverDefault, takes
 from geomesh_p2p.config.models import DEFAULT_RUN_ID
-from geomesh_p2p.model.ckpt_files import checkpoint_dir_problem
 from geomesh_p2p.schema.shards import check_shards
+from peer.path_checks import (
+    BAD_INPUT,
+    checkpoint_source_problem,
+    data_file_problem,
+    key_file_problem,
+    out_dir_problem,
+)
 from peer.node_cli import _host_port, _int_at_least, _non_negative_float, _positive_float
 
 
@@ -42,6 +49,12 @@ def _record_shards(text: str) -> int:
         return check_shards(int(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("record_shards ")) from None
+
+
+def _load_dht_libraries() -> None:
+    """Import what :func:`_read_swarm` uses (the DHT loads hivemind, which loads torch: seconds on a loaded box)."""
+    from geomesh_p2p.dht import DHTNode  # noqa: F401  (its names load on first use)
+    from geomesh_p2p.status.swarm import SwarmWatcher  # noqa: F401
 
 
 async def _read_swarm(ns):
@@ -196,25 +209,39 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 def _status(ns: argparse.Namespace) -> int:
     """:func:`cmd_status`'s body."""
+    if not ns.bootstrap:
+        _say("status", "--bootstrap HOST:PORT is required (on the command line, or bootstrap: in --config)")
+        return 2
+    if ns.identity and _bad_paths("status", key_file_problem("--identity", ns.identity)):
+        return BAD_INPUT
+    t0 = time.monotonic()  # before the DHT's imports (hivemind loads torch: seconds), which a failure's figure counts
     from geomesh_p2p.dht import DHTJoinError
     from geomesh_p2p.dht.state import OtherRunError
     from geomesh_p2p.net.identity import IdentityError
 
-    if not ns.bootstrap:
-        _say("status", "--bootstrap HOST:PORT is required (on the command line, or bootstrap: in --config)")
-        return 2
+    _load_dht_libraries()
+    loaded = time.monotonic() - t0
     try:
         view, rounds = asyncio.run(asyncio.wait_for(_read_swarm(ns), timeout=ns.timeout * 4 + 10))
     except OtherRunError as e:  # it answered: "cannot reach" would send the user after the network
         _say("status", f"reached the bootstrap, but {_one_line(e).removeprefix('could not join the DHT: ')}")
         return 1
     except DHTJoinError as e:
-        _say("status", f"cannot reach the bootstrap {', '.join(ns.bootstrap)}: {_one_line(e)}")
+        # the join's own figure ("2 attempt(s) over 0.3s") is its tries only: a fresh user timed 7.6 s in all (49)
+        took = time.monotonic() - t0
+        _say(
+            "status",
+            f"cannot reach the bootstrap {', '.join(ns.bootstrap)} ({took:.1f} s in all, {loaded:.1f} s of it "
+            f"loading the DHT's libraries): {_one_line(e)}",
+        )
         return 1
     except asyncio.TimeoutError:
         _say("status", f"no answer from the swarm through {', '.join(ns.bootstrap)} in time")
         return 1
-    except (IdentityError, OSError) as e:
+    except IdentityError as e:  # a key file checked at start that went bad since: still the flag's fault
+        _say("status", f"--identity: {_one_line(e)}")
+        return BAD_INPUT
+    except OSError as e:
         _say("status", _one_line(e))
         return 1
     if ns.json:
@@ -225,11 +252,11 @@ def _status(ns: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def _no_checkpoint(cmd: str, directory: str) -> bool:
-    """Before torch's import (~27 s on a loaded 2-core box for a mistyped folder, session 35): says on stderr why
-    ``directory`` holds no checkpoint (the words :mod:`geomesh_p2p.model.export` uses) and returns True, or
-    returns False when it holds one."""
-    problem = checkpoint_dir_problem(directory)
+def _bad_paths(cmd: str, *problems: Optional[str]) -> bool:
+    """Before torch's import (~27 s on a loaded 2-core box for a mistyped folder, session 35): says the first of
+    ``problems`` (one line each naming its flag, :mod:`peer.path_checks`) on stderr and returns True, or returns
+    False when all are None. The caller exits 2, as for any bad flag or file (fresh user 49: these exited 1)."""
+    problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         _say(cmd, problem)
     return problem is not None
@@ -248,8 +275,8 @@ def _state_of_round(r: int) -> str:
 
 
 def cmd_checkpoints(ns: argparse.Namespace) -> int:
-    if _no_checkpoint("checkpoints", ns.directory):
-        return 1
+    if _bad_paths("checkpoints", checkpoint_source_problem("DIR", ns.directory)):
+        return BAD_INPUT
     from geomesh_p2p.model.export import ExportError, list_checkpoint_info
 
     try:
@@ -314,8 +341,13 @@ def cmd_checkpoints(ns: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------- export / generate
 def cmd_export(ns: argparse.Namespace) -> int:
-    if _no_checkpoint("export", ns.checkpoint_dir):
-        return 1
+    if _bad_paths(
+        "export",
+        checkpoint_source_problem("--checkpoint-dir", ns.checkpoint_dir),
+        data_file_problem("--data", ns.data),
+        out_dir_problem("--out", ns.out),
+    ):
+        return BAD_INPUT
     from geomesh_p2p.model.export import ExportError, export_checkpoint
 
     try:
@@ -338,8 +370,12 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    if _no_checkpoint("generate", ns.checkpoint_dir):
-        return 1
+    if _bad_paths(
+        "generate",
+        checkpoint_source_problem("--checkpoint-dir", ns.checkpoint_dir),
+        data_file_problem("--data", ns.data),
+    ):
+        return BAD_INPUT
     from geomesh_p2p.model.export import ExportError, build_exported, generate
 
     try:

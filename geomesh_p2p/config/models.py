@@ -24,6 +24,7 @@ __all__ = [
     "NodeConfig",
     "BootstrapConfig",
     "DEFAULT_RUN_ID",
+    "run_named",
     "DEFAULT_IDENTITY",
     "DEFAULT_BOOTSTRAP_IDENTITY",
     "DEFAULT_BOOTSTRAP_PORT",
@@ -45,6 +46,14 @@ DEFAULT_RUN_ID = "geomesh-demo"
 DEFAULT_IDENTITY = "~/.geomesh/identity.key"
 DEFAULT_BOOTSTRAP_IDENTITY = "~/.geomesh/bootstrap.key"
 DEFAULT_BOOTSTRAP_PORT = 31337
+
+
+def run_named(run_id: str) -> str:
+    """``'R'`` as a message names a run, or ``'geomesh-demo' (the default --run-id)`` for the default: a name the user
+    may never have typed (fresh user 49 read "not the run 'geomesh-demo' asked for" after a status without --run-id)."""
+    return f"{run_id!r} (the default --run-id)" if run_id == DEFAULT_RUN_ID else repr(run_id)
+
+
 RUN_GROUP = "run config (shared by every peer of a run; mismatches are refused)"
 NODE_GROUP = "this node"
 TUNING_GROUP = "tuning of this node (rarely changed)"

@@ -213,6 +213,7 @@ async def live_peers(
         found = await _read_shards(node, run_id, shards, only, latest, extra)
     out: List[PeerRecord] = []
     dropped: Counter = Counter()  # reason -> records of this read dropped for it
+    incompatible: dict[str, list[str]] = {}  # what differs -> the records (short names) that differ so
 
     def drop(who: str, msg: str, **fields) -> None:
         # the first few of a read each have their line; a flood of junk (the red team's 2,046 records, one WARNING
@@ -261,17 +262,36 @@ async def live_peers(
                 if any(r.startswith("run-config hash") for r in reasons)
                 else ""
             )
-            drop(
+            # each record's line at DEBUG (its event too), and one WARNING line for the records of one difference
+            # after the read (fresh user 49: three peers of another --model were three WARNING lines of hashes
+            # before the one-line refusal that names the field)
+            text = "; ".join(reasons) + hint
+            _log_once(
                 who,
-                "incompatible, ignored: " + "; ".join(reasons) + hint,
+                "incompatible, ignored: " + text,
+                logging.DEBUG,
                 subkey=subkey,
                 reason="incompatible",
                 differs=reasons,
             )
+            incompatible.setdefault(text, []).append(who.removeprefix("peer record "))
             continue
         if rec.leaving and not include_leaving:
             continue
         out.append(rec)
+    for text, names in incompatible.items():
+        names.sort()  # one order for one set of records (the line is logged once per set)
+        shown = ", ".join(names[:DROP_LINES_PER_READ]) + (
+            f" and {len(names) - DROP_LINES_PER_READ} more" if len(names) > DROP_LINES_PER_READ else ""
+        )
+        _dropped_log(
+            ("incompatible", text, tuple(sorted(names))),
+            logging.WARNING,
+            "%d peer record(s) incompatible, ignored (%s): %s",
+            len(names),
+            shown,
+            text,
+        )
     if sum(dropped.values()) > DROP_LINES_PER_READ:
         what = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items()))
         _dropped_log(

@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from geomesh_p2p import __version__
+from geomesh_p2p.config.models import run_named
 from geomesh_p2p.net.addr import format_address
 from geomesh_p2p.net.identity import Identity, PeerID
 from geomesh_p2p.net.methods import DHT_PING
@@ -212,7 +213,10 @@ def other_run_message(address: str, reason: str, own_run: str) -> str:
     :mod:`geomesh_p2p.net.identity` from the bootstrap's side ("message is for run 'a', this node serves 'b'")."""
     m = re.search(r"this node serves ('.*')", reason)
     theirs = m.group(1) if m else "another run"
-    return f"could not join the DHT: bootstrap {address} serves run {theirs}, not the run {own_run!r} asked for: check --run-id"
+    return (
+        f"could not join the DHT: bootstrap {address} serves run {theirs}, not the run {run_named(own_run)} asked for: "
+        "check --run-id"
+    )
 
 
 def ping_request(sender: "dht_pb2.NodeInfo") -> "dht_pb2.PingRequest":

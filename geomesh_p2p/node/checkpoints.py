@@ -27,7 +27,7 @@ from geomesh_p2p.round.rules import RoundState
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnChange
 from geomesh_p2p.util.atomic import MIN_DISK_BPS, sweep_stale_writes
-from geomesh_p2p.util.errors import UserFacingError
+from geomesh_p2p.util.errors import StartInputError
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import NodeConfig, RunConfig
@@ -44,7 +44,7 @@ def check_writable_dir(path: str, flag: str, made: Optional[list[Path]] = None) 
     :func:`remove_empty_folders`; fresh user, session 37: a refused start left an empty checkpoint folder).
 
     Raises:
-        UserFacingError: one line naming ``flag`` and the reason (read-only, not a directory, no permission).
+        StartInputError: one line naming ``flag`` and the reason (read-only, not a directory, no permission).
     """
     d = Path(path).expanduser()
     try:
@@ -54,7 +54,8 @@ def check_writable_dir(path: str, flag: str, made: Optional[list[Path]] = None) 
         with tempfile.NamedTemporaryFile(dir=d, prefix=".write-check-"):
             pass
     except OSError as e:
-        raise UserFacingError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+        # a bad flag's value: exit 2 (start_error_status), as the CLI's own check says it before torch (fresh user 49)
+        raise StartInputError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     sweep_stale_writes(d)  # a checkpoint a killed run left half-written (0.5 GB at gpt2-124m each time)
     return d
 

@@ -185,6 +185,8 @@ class RoundDriver:
         #: the first round whose start state the swarm has not confirmed to this peer (a digest check that
         #: agreed, or a state adopted by a catch-up): blame noted from it on is of an unconfirmed lineage
         self._confirmed_round: int = 0
+        #: (round, swarm time) of the last state a catch-up adopted: words a planned-out line (planning.left_out_why)
+        self._synced_to: Optional[tuple[int, float]] = None
         #: the latest round the swarm's vote was seen at (behind / gather), for the line of a peer left alone
         self._swarm_seen: int = 0
         #: this session started from the seed (round 0) of a run known at no later round (``run``'s

@@ -118,8 +118,13 @@ async def recover(
         leader, sha = parse_ref(top) or ("", "")
         plan, why = await read(r - 1, leader, sha)
         if plan is not None:
-            return Recovered(plan, (), f"{votes} of {total} voters name the plan of {leader[:10]}")
-        return Recovered(None, (), f"{votes} of {total} voters name a plan of {leader[:10]} that is not usable: {why}")
+            # the round said: the next line (this round's plan) may name another leader (fresh user 49 read two leaders)
+            return Recovered(plan, (), f"{votes} of {total} voters name round {r - 1}'s plan, by leader {leader[:10]}")
+        return Recovered(
+            None,
+            (),
+            f"{votes} of {total} voters name a plan of round {r - 1} by {leader[:10]} that is not usable: {why}",
+        )
     if len(refs) > MAX_DOUBT_PLANS:
         return Recovered(None, (), f"{len(refs)} different plans named by {total} voters")
     read_ok: list[RoundPlan] = []

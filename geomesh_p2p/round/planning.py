@@ -457,6 +457,34 @@ def last_resort(
     return sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
 
 
+#: A state adopted by a sync this long before a plan's creation (seconds) may not have been announced by then: the
+#: leader reads the records, then plans (used only to word the planned-out line, never by a rule)
+IN_STEP_SLACK_S = 2.0
+
+
+def left_out_why(drv: RoundDriver, r: int, plan) -> str:
+    """Why round ``r``'s leader left this peer out of ``plan``, as far as this peer can tell: one that reached round
+    ``r``'s state by a sync (download or catch-up) about when the plan was made, or had trained no round yet, was not
+    in step for it, whatever its speed (fresh user 49 read "too slow" on a resumed peer catching up round by round);
+    only one in step may have been too slow. Text only: the leader's rules decide."""
+    synced = getattr(drv, "_synced_to", None)
+    if synced is not None and synced[0] == r and synced[1] >= plan.created_at - IN_STEP_SLACK_S:
+        return (
+            f"it was still catching up when the plan was made: it reached round {r}'s state by a sync "
+            f"{abs(synced[1] - plan.created_at):.1f} s {'after' if synced[1] >= plan.created_at else 'before'} it; "
+            "it is planned once it announces a round in step"
+        )
+    if not (getattr(drv, "history", None) or []):
+        return (
+            "it had trained no round here yet (it joined or resumed just now): a leader plans a peer once it has "
+            "announced itself in step before the plan"
+        )
+    return (
+        "the leader left it out: it missed an earlier round's exchange, or its link or device is too slow for the "
+        f"{plan.window_s:.1f} s window; see the leader's log"
+    )
+
+
 async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -> None:
     """A planned-out peer (joined late, too slow for the window, or other weights), or one that refuses the
     plan others may follow (``refused``): announce as syncing for the next round (its leader then waits for
@@ -467,9 +495,7 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
         f"refusing the plan of leader {plan.leader[:10]} that other peers may follow (following another would "
         "split the round; see the plan_refused line)"
         if refused
-        else f"not in the plan of leader {plan.leader[:10]} (the leader left it out: it joined late, missed an "
-        f"earlier round's exchange, or its link or device is too slow for the {plan.window_s:.1f} s window; "
-        "see the leader's log)"
+        else f"not in the plan of leader {plan.leader[:10]} ({left_out_why(drv, r, plan)})"
         if not planned_in
         else "weights differ from the plan's"
     )

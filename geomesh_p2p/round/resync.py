@@ -335,6 +335,10 @@ async def catch_up(drv: RoundDriver) -> None:
         forget_blame(drv)
     if drv.state.digest != before[1] and not drv.state.syncing:
         drv._confirmed_round = drv.state.round  # adopted the swarm's state: its start is confirmed
+        # when it came (swarm time), for the planned-out line's reason only (planning.left_out_why); a driver double
+        # without a clock words no reason from it
+        clock = getattr(drv, "clock", None)
+        drv._synced_to = (drv.state.round, clock.time()) if clock is not None else None
         forget_since(drv, drv.state.round)  # the plans it obtained may not have made that state
 
 

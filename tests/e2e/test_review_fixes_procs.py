@@ -20,4 +20,4 @@ def test_binary_config_file_fails_in_one_line_via_the_console_script(tmp_path, b
         env={**os.environ, "PYTHONPATH": str(REPO), "GRPC_VERBOSITY": "NONE"},
     )
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"geomesh-peer: config file {binary} is not UTF-8 text (byte 0)"]
+    assert r.stderr.strip().splitlines() == [f"geomesh-peer join: config file {binary} is not UTF-8 text (byte 0)"]

@@ -125,6 +125,32 @@ async def test_incompatible_peer_is_refused_with_what_differs():
         await stop_all(nodes + [boot])
 
 
+async def test_peers_of_another_run_config_are_one_warning_line(caplog):
+    """Fresh user 49: three live peers of another --model were three WARNING lines of hashes (one per record) before
+    the one-line refusal; one line now names the records and the difference, each record's line at DEBUG."""
+    import logging
+
+    boot = await start_node()
+    nodes = []
+    try:
+        a, _ = await start_peer([boot.address])
+        others = [(await start_peer([boot.address], run_config_hash="deadbeef" * 8))[0] for _ in range(3)]
+        nodes = [a, *others]
+        await wait_for(lambda: sees(boot, [n.peer_id for n in nodes]), timeout=10, what="all records")
+        with caplog.at_level(logging.DEBUG, logger="geomesh_p2p.dht.announce"):
+            got = await live_peers(a, RUN, expected_config_hash=CONFIG_HASH)
+        assert [r.peer_id for r in got] == [a.peer_id.to_string()]
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        names = ", ".join(sorted(f"{n.peer_id.to_string()[:10]}…" for n in others))
+        assert warned == [
+            f"3 peer record(s) incompatible, ignored ({names}): run-config hash c0ffeec0ffee… vs deadbeefdead… (other "
+            "training flags or data; a joining peer's start-up names the fields that differ from the swarm's)"
+        ]
+        assert sum("incompatible, ignored: run-config hash" in r.getMessage() for r in caplog.records) == 3  # DEBUG
+    finally:
+        await stop_all(nodes + [boot])
+
+
 def test_check_compatible_messages():
     ident = Identity.generate()
 

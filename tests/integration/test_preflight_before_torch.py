@@ -225,20 +225,44 @@ async def test_a_busy_bootstrap_port_is_refused_before_torch(tmp_path):
 
 
 async def test_a_missing_checkpoint_folder_is_named_before_torch(tmp_path):
+    """Exit 2, the flag named (README: 2 = a bad flag or file; fresh user 49: these exited 1)."""
     nope = tmp_path / "nope"
     rc, err = await _run(MAIN, "peer.cli", "checkpoints", str(nope))
-    assert (rc, err) == (1, [f"geomesh-peer checkpoints: {nope}: no such directory", "imported at the end: []"])
+    assert (rc, err) == (2, [f"geomesh-peer checkpoints: DIR {nope}: no such directory", "imported at the end: []"])
     (tmp_path / "file").write_text("x")
     rc, err = await _run(MAIN, "peer.cli", "checkpoints", str(tmp_path / "file"))
     assert (rc, err) == (
-        1,
-        [f"geomesh-peer checkpoints: {tmp_path / 'file'}: not a directory", "imported at the end: []"],
+        2,
+        [f"geomesh-peer checkpoints: DIR {tmp_path / 'file'}: not a directory", "imported at the end: []"],
     )
     rc, err = await _run(MAIN, "peer.cli", "export", "--checkpoint-dir", str(tmp_path), "--out", str(nope))
     assert (rc, err) == (
-        1,
+        2,
         [
-            f"geomesh-peer export: {tmp_path}: no checkpoint (ckpt-NNNNNNNN.json) in this directory",
+            f"geomesh-peer export: --checkpoint-dir {tmp_path}: no checkpoint (ckpt-NNNNNNNN.json) in this directory",
             "imported at the end: []",
         ],
     )
+    assert not nope.exists()
+    rc, err = await _run(MAIN, "peer.cli", "generate", "--checkpoint-dir", "nosuchdir", "--prompt", "x")
+    assert (rc, err) == (
+        2,
+        ["geomesh-peer generate: --checkpoint-dir nosuchdir: no such directory", "imported at the end: []"],
+    )
+
+
+async def test_exports_data_and_out_are_named_before_torch(tmp_path):
+    """``export``'s ``--data`` and ``--out`` are checked with its folder, before torch: exit 2 naming the flag."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / "ckpt-00000003.json").write_text("{}")  # a checkpoint by its name: the folder check passes
+    rc, err = await _run(
+        MAIN, "peer.cli", "export", "--checkpoint-dir", str(ckpts), "--data", str(tmp_path / "no.txt"), "--out", "o"
+    )
+    assert (rc, err) == (
+        2,
+        [f"geomesh-peer export: --data {tmp_path / 'no.txt'}: no such file", "imported at the end: []"],
+    )
+    rc, err = await _run(MAIN, "peer.cli", "export", "--checkpoint-dir", str(ckpts), "--out", "/proc/nope/hf")
+    assert rc == 2, err
+    assert err[0].startswith("geomesh-peer export: --out /proc/nope/hf: cannot write there (") and len(err) == 2

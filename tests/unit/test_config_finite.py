@@ -196,7 +196,7 @@ def test_join_refuses_a_bad_float_in_its_config_file_naming_the_key(tmp_path, ca
     cfg = tmp_path / "peer.yaml"
     cfg.write_text(text)
     assert main(["join", "--config", str(cfg), "--identity", str(tmp_path / "id.key")]) == 2
-    assert capsys.readouterr().err.strip() == f"geomesh-peer: config file {cfg}: {message}"
+    assert capsys.readouterr().err.strip() == f"geomesh-peer join: config file {cfg}: {message}"
     assert join_started == []
 
 

@@ -117,7 +117,7 @@ def test_rounds_zero_is_refused_at_start_and_help_says_what_no_flag_means(tmp_pa
     cfg = tmp_path / "peer.yaml"
     cfg.write_text("rounds: 0\n")
     assert main(["join", "--config", str(cfg), "--identity", str(key)]) == 2
-    assert capsys.readouterr().err.strip() == f"geomesh-peer: config file {cfg}: rounds: must be >= 1, got 0"
+    assert capsys.readouterr().err.strip() == f"geomesh-peer join: config file {cfg}: rounds: must be >= 1, got 0"
     assert not key.exists()  # refused before anything starts
     with pytest.raises(ValueError, match="rounds"):
         NodeConfig(rounds=0)
@@ -181,7 +181,7 @@ def test_bad_config_file_is_refused_naming_key_and_file(tmp_path, capsys, text, 
     cfg.write_text(text)
     assert main(["join", "--config", str(cfg), "--identity", str(tmp_path / "id.key")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"geomesh-peer: config file {cfg}: {expect}"
+    assert err == f"geomesh-peer join: config file {cfg}: {expect}"
     assert not (tmp_path / "id.key").exists()  # refused before anything starts
 
 

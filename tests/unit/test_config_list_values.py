@@ -39,7 +39,7 @@ def test_status_with_a_null_address_exits_2_in_one_line(tmp_path, capsys):
     cfg.write_text("bootstrap: [null]\n")
     assert main(["status", "--config", str(cfg), "--bootstrap", "127.0.0.1:1", "--timeout", "0.2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"geomesh-peer: config file {cfg}: bootstrap: expected text, got null in the list"]
+    assert err == [f"geomesh-peer status: config file {cfg}: bootstrap: expected text, got null in the list"]
 
 
 def test_the_status_command_line_bootstrap_replaces_the_files(tmp_path):
@@ -75,7 +75,7 @@ def test_join_refuses_an_unpaired_surrogate_naming_the_key(tmp_path, capsys, key
     cfg.write_text('{"%s": "\\ud800x"}\n' % key)  # JSON is YAML too: the same escape
     assert main(["join", "--config", str(cfg), "--identity", str(tmp_path / "id.key")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"geomesh-peer: config file {cfg}: {key}: expected text, got text with an unpaired surrogate ('\\ud800' at "
+        f"geomesh-peer join: config file {cfg}: {key}: expected text, got text with an unpaired surrogate ('\\ud800' at "
         "character 1): write the character itself"
     ]
     assert not (tmp_path / "id.key").exists()

@@ -48,7 +48,7 @@ def test_join_refuses_a_value_of_the_wrong_type_naming_the_file_and_key(tmp_path
     cfg = tmp_path / "peer.yaml"
     cfg.write_text(text)
     assert main(["join", "--config", str(cfg), "--identity", str(tmp_path / "id.key")]) == 2
-    assert capsys.readouterr().err.strip() == f"geomesh-peer: config file {cfg}: {message}"
+    assert capsys.readouterr().err.strip() == f"geomesh-peer join: config file {cfg}: {message}"
     assert not (tmp_path / "id.key").exists()  # refused before anything starts
 
 

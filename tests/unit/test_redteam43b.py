@@ -48,7 +48,7 @@ def test_ctrl_c_in_export_or_generate_is_not_a_success(tmp_path, monkeypatch, ca
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(peer.tools_cli, "_no_checkpoint", lambda cmd, d: False)
+    monkeypatch.setattr(peer.tools_cli, "checkpoint_source_problem", lambda flag, d: None)
     monkeypatch.setattr(export, "export_checkpoint", interrupted)
     monkeypatch.setattr(export, "build_exported", interrupted)
     argv = [command, "--checkpoint-dir", str(tmp_path)]
