@@ -16,7 +16,8 @@ import pytest
 from geomesh_p2p.config.models import NodeConfig, RunConfig
 from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.plan.bounds import LATE_RATE_SHARE, evidence_ceiling_range, evidence_ceilings, late_ceiling
-from geomesh_p2p.plan.planner import check_plan
+from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.plan.planner import check_plan, make_plan
 from geomesh_p2p.round.policy import NodeRoundPolicy
 from geomesh_p2p.round.rules import Penalties, Reprofiler, RoundState
 from geomesh_p2p.schema.peer import PeerRecord
@@ -174,9 +175,6 @@ def test_a_plan_at_the_late_ceiling_needs_the_followers_marks():
     live = {x.peer_id: x for x in recs}
     supported = {p: 1000.0 for p in ids}
     late = {ids[3]: 250.0}
-    from geomesh_p2p.net.swarm_time import swarm_time
-    from geomesh_p2p.plan.planner import make_plan
-
     kw = dict(run_id=RUN.run_id, round=R, leader=ids[0], numel=200_000, start_digest="d")
     plan = make_plan(recs, cfg, start_time=swarm_time(), supported_tokens_per_s=supported, late_tokens_per_s=late, **kw)
     full = make_plan(recs, cfg, start_time=swarm_time(), supported_tokens_per_s=supported, **kw)
@@ -188,8 +186,8 @@ def test_a_plan_at_the_late_ceiling_needs_the_followers_marks():
 def test_late_marks_survive_a_checkpoint_and_malformed_ones_are_dropped():
     state = RoundState(me="me", round=R, digest="d", numel=1, standing=Standing(), history=[])
     pen = Penalties(state)
-    pen.late = {"peerA": (R + 3, 123.5), "peerB": (R + 1, 0.0)}
+    pen.late = {"peerA": (R + 3, 123.5), "peerB": (R + 1, 0.0), "me": (R + 9, 1.0)}
     meta = pen.to_meta()
     back = Penalties(state)
     back.restore({**meta, "late": {**meta["late"], "x": [1, float("nan")], "y": [1.5, 3.0], "z": [1, 10**400]}})
-    assert back.late == pen.late
+    assert back.late == {p: m for p, m in pen.late.items() if p != "me"}  # never this peer itself (red team 13)

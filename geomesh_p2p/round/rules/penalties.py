@@ -95,8 +95,10 @@ class Penalties:
         got = meta.get("late")
         if isinstance(got, dict):
             marks = [
-                (p, m) for p, m in got.items() if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and _mark_ok(m)
-            ]
+                (p, m)
+                for p, m in got.items()
+                if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and _mark_ok(m)
+            ]  # never this peer itself, as above (its own marks come back with the rounds it re-applies)
             self.late.update((p, (int(m[0]), float(m[1]))) for p, m in marks[:MAX_RESTORED])
 
     def noshows(self) -> dict[str, int]:
