@@ -212,6 +212,7 @@ def plan_round(
     created_at: Optional[float] = None,
     supported_tokens_per_s: Optional[Mapping[str, float]] = None,
     probation: Collection[str] = (),
+    late_tokens_per_s: Optional[Mapping[str, float]] = None,
 ) -> RoundPlan:
     """Plan a round with adaptive workload balancing (GeoMesh's AWB; see the module docstring).
 
@@ -228,6 +229,8 @@ def plan_round(
     (tokens delivered / compute seconds planned for it); a peer is then planned at no more than
     ``EVIDENCE_GROWTH`` x that rate, and a peer without one (a newcomer) at no more than the lower
     median of those rates (:func:`~geomesh_p2p.plan.bounds.evidence_ceilings`; followers check it):
+    ``late_tokens_per_s`` (peer id -> tokens/s) lowers the ceiling of the peers that contributed to no part of a recent
+    round (late pushes, no-shows: :func:`~geomesh_p2p.plan.bounds.late_ceiling`), so a late peer gets less work;
     its ``H_i`` is lowered, the window ``T`` is not (followers recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
     lower-median budget (x ``ranks`` for a multi-rank peer: per device) unless it is ``min_inner_steps`` steps of its batch.
 
@@ -245,7 +248,7 @@ def plan_round(
     # the throughput-optimal one), which can be a smaller, slightly less efficient batch.
     models = [_best_in_window(r, m, T, cfg) for r, m in zip(recs, models)]
     if supported_tokens_per_s:
-        models = _bound_by_evidence(recs, models, supported_tokens_per_s, cfg)
+        models = _bound_by_evidence(recs, models, supported_tokens_per_s, cfg, late_tokens_per_s)
     s, c = step_and_comm(models)
     probation = probation_ids(recs, probation)
     # a contributor the round screens gets the steps its loss-gain test needs (session 45), before the caps (which
@@ -280,12 +283,16 @@ def plan_round(
 
 
 def _bound_by_evidence(
-    recs: Sequence[PeerRecord], models: list[PeerModel], supported: Mapping[str, float], cfg: PlanConfig
+    recs: Sequence[PeerRecord],
+    models: list[PeerModel],
+    supported: Mapping[str, float],
+    cfg: PlanConfig,
+    late: Optional[Mapping[str, float]] = None,
 ) -> list[PeerModel]:
     """Models whose step time is at least what the peer's delivered work allows (:func:`evidence_ceilings`:
     ``EVIDENCE_GROWTH`` x its delivered rate, a newcomer the lower median of the delivered rates). Longer
     steps only: the record can only lower the rate; with no usable evidence at all the models stay."""
-    ceilings = evidence_ceilings([r.peer_id for r in recs], supported)
+    ceilings = evidence_ceilings([r.peer_id for r in recs], supported, late)
     return [_at_evidence(r, m, ceilings.get(r.peer_id), cfg) for r, m in zip(recs, models)]
 
 

@@ -50,7 +50,26 @@ BANDWIDTH_SPREAD_CAP = 64.0
 EVIDENCE_GROWTH = 2.0
 
 
-def evidence_ceilings(peer_ids: Iterable[str], supported: Optional[Mapping[str, float]]) -> dict[str, float]:
+#: A participant that contributed to no part of a conclusive round (a no-show, or a push that reached its owners after
+#: they closed: a late peer) is planned at no more than this share of the rate its plan of that round gave it (token
+#: budget / predicted compute seconds) for ``probation.LATE_MARK_ROUNDS`` rounds (:func:`evidence_ceilings`'
+#: ``late``): a late peer gets less work, never more, and a free rider no larger share than it had.
+LATE_RATE_SHARE = 0.5
+
+
+def late_ceiling(planned_tokens_per_s: float, held: Optional[float] = None) -> float:
+    """Tokens/s ceiling of a participant after a round it contributed to no part of: ``LATE_RATE_SHARE`` x the rate
+    its plan gave it (``planned_tokens_per_s``), and no more than ``held`` (the ceiling of an earlier miss still
+    in force: a peer planned at it and late again gets half of it)."""
+    c = LATE_RATE_SHARE * float(planned_tokens_per_s)
+    return c if held is None else min(c, float(held))
+
+
+def evidence_ceilings(
+    peer_ids: Iterable[str],
+    supported: Optional[Mapping[str, float]],
+    late: Optional[Mapping[str, float]] = None,
+) -> dict[str, float]:
     """Tokens/s ceiling of each of ``peer_ids`` from delivered work (issue 28, "claims planned by delivered
     work"): ``EVIDENCE_GROWTH`` x its rate in ``supported`` (peer id -> tokens/s its last round's delivered
     contribution supports: tokens the owners took from it, capped by its budget, over the compute seconds
@@ -59,12 +78,18 @@ def evidence_ceilings(peer_ids: Iterable[str], supported: Optional[Mapping[str, 
     figure seeds a newcomer at most at what the peers that delivered deliver. Empty when ``supported`` has no
     usable rate (round 0, or a node that did not apply the last round: records alone bound the plan then).
     Pure: the leader plans with it (:func:`~geomesh_p2p.plan.awb.plan_round`) and followers check the plan
-    against it (:func:`~geomesh_p2p.plan.planner.check_plan`)."""
+    against it (:func:`~geomesh_p2p.plan.planner.check_plan`).
+
+    ``late`` (peer id -> tokens/s, :func:`late_ceiling`): the peers that contributed to no part of a recent round,
+    each planned at no more than that rate as well (held by every peer that applied those rounds:
+    :meth:`~geomesh_p2p.round.rules.penalties.Penalties.late_ceilings`)."""
     rates = usable_rates(supported)
     if not rates:
         return {}
     seed = statistics.median_low(sorted(rates.values()))
-    return {p: EVIDENCE_GROWTH * rates[p] if p in rates else seed for p in peer_ids}
+    caps = usable_rates(late)
+    out = {p: EVIDENCE_GROWTH * rates[p] if p in rates else seed for p in peer_ids}
+    return {p: min(c, caps[p]) if p in caps else c for p, c in out.items()}
 
 
 def usable_rates(supported: Optional[Mapping[str, float]]) -> dict[str, float]:
@@ -76,6 +101,7 @@ def evidence_ceiling_range(
     peer_ids: Iterable[str],
     supported: Optional[Mapping[str, float]],
     unseen: Optional[Mapping[str, float]] = None,
+    late: Optional[Mapping[str, float]] = None,
 ) -> dict[str, tuple[float, float]]:
     """peer id -> (lowest, highest) tokens/s ceiling an honest leader may have planned it at, for a follower whose
     delivered map is ``supported``: the leader's map may lack one entry this one has (red team 37: a node computes
@@ -92,7 +118,11 @@ def evidence_ceiling_range(
     a leader that read those parts may hold any rate up to that, so their range is (0, the larger of the seed's and
     ``EVIDENCE_GROWTH`` x it); 0: no lower bound (the under-plan fit is skipped; with one known rate the leader's
     seed may be an unseen rate, so every peer's). A peer that delivered nothing in the parts this follower read is
-    not unseen: it stays at the newcomer seed."""
+    not unseen: it stays at the newcomer seed.
+
+    ``late`` (:func:`evidence_ceilings`): this follower's late ceilings lower the range's low end to them (an honest
+    leader holding the same marks plans the peer there); the high end stays, as a leader that did not apply the
+    round of the miss holds no mark (its no-show rules bench such a peer anyway)."""
     known = usable_rates(supported)
     rates = sorted(known.values())
     if not rates:
@@ -103,12 +133,14 @@ def evidence_ceiling_range(
     if missed and n == 1:
         lo = 0.0  # the leader's map may hold a second rate, lower than any known: its seed
     own = evidence_ceilings(peer_ids, supported)
-    return {
+    caps = usable_rates(late)
+    out = {
         p: (min(c, lo), max(c, hi))
         if p in known
         else ((0.0, max(hi, EVIDENCE_GROWTH * missed[p])) if p in missed else (lo, hi))
         for p, c in own.items()
     }
+    return {p: (min(low, caps[p]), high) if p in caps else (low, high) for p, (low, high) in out.items()}
 
 
 #: no token budget exceeds this many times the plan's lower-median budget (unless it is a single

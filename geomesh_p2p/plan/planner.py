@@ -129,12 +129,13 @@ def exchange_timeout(comm_s: float, cpu_s: float, floor_s: float, safety: float 
 def make_plan(records: Sequence[PeerRecord], cfg: PlanConfig, **kwargs) -> RoundPlan:
     """Plan by ``cfg.method``: ``geomesh``/``awb`` -> :func:`plan_round`; ``diloco``/``css`` ->
     :func:`plan_uniform`; ``ddp`` -> :func:`plan_uniform` with one inner step (a sync every step).
-    Keyword arguments as for :func:`plan_round` (``supported_tokens_per_s`` is used by AWB only:
+    Keyword arguments as for :func:`plan_round` (``supported_tokens_per_s``, ``late_tokens_per_s``: AWB only:
     uniform plans give every peer the same steps)."""
     rule = _method_rule(cfg)
     if rule.balanced:
         return plan_round(records, cfg, **kwargs)
     kwargs.pop("supported_tokens_per_s", None)
+    kwargs.pop("late_tokens_per_s", None)
     return plan_uniform(records, cfg, inner_steps=rule.uniform_inner_steps, **kwargs)
 
 
@@ -265,13 +266,15 @@ def check_plan(
     barred: Collection[str] = (),
     supported: Optional[Mapping[str, float]] = None,
     unseen: Optional[Mapping[str, float]] = None,
+    late: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """Why a follower must refuse ``plan`` (a one-line reason), or None when it is within bounds.
 
     A pure function of the plan, the follower's view of the records (``peer_id -> PeerRecord``), the
     :class:`PlanConfig` the run implies (the one the follower would plan with for these participants)
     and ``now`` (unix seconds); ``supported`` / ``unseen``: this follower's delivered-rate map of the last round and
-    the planned rates of the participants whose delivery it missed (:func:`evidence_ceiling_range`). Every plan that
+    the planned rates of the participants whose delivery it missed, ``late`` its late ceilings (peers that contributed
+    to no part of a recent round: :func:`evidence_ceiling_range` lets a leader plan them that low). Every plan that
     :func:`make_plan` makes from the same records and config passes; a rogue or broken leader's plan is refused when any of these fails:
 
     * settings: ``seq_len`` / ``method`` / ``mode`` as in ``cfg``; every participant has a record;
@@ -366,9 +369,9 @@ def check_plan(
         _budget_problem(plan, cfg, ranks)
         or _probation_problem(plan, cfg)
         or _evidence_problem(plan, cfg, supported, unseen)
-        or _under_plan_problem(plan, cfg, by_id, ranks, supported, unseen)
+        or _under_plan_problem(plan, cfg, by_id, ranks, supported, unseen, late)
         or compute_problems(
-            plan, cfg, balanced, by_id, lowest_ceilings(plan, supported, unseen, balanced), "its bounded record"
+            plan, cfg, balanced, by_id, lowest_ceilings(plan, supported, unseen, balanced, late), "its bounded record"
         )
     )
     if reason is not None:
@@ -403,6 +406,7 @@ def check_plan_sampled(
     barred: Collection[str] = (),
     supported: Optional[Mapping[str, float]] = None,
     unseen: Optional[Mapping[str, float]] = None,
+    late: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """:func:`check_plan` for a light follower (issue 25) that holds the records of a sample of the plan's
     participants only (``sampled``: ``peer_id -> PeerRecord``, each a participant). One-line reason, or None.
@@ -467,12 +471,13 @@ def check_plan_sampled(
         return _too_old(plan, now)
     # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
     ranks = {pid: ranks_of(r) for pid, r in sampled.items()}
-    unclamped, lows = _bounded_by_plan(plan, cfg, sampled), lowest_ceilings(plan, supported, unseen, rule.balanced)
+    unclamped = _bounded_by_plan(plan, cfg, sampled)
+    lows = lowest_ceilings(plan, supported, unseen, rule.balanced, late)
     reason = (
         _budget_problem(plan, cfg, ranks)
         or _probation_problem(plan, cfg)
         or _evidence_problem(plan, cfg, supported, unseen)
-        or _under_plan_problem(plan, cfg, unclamped, ranks, supported, unseen)
+        or _under_plan_problem(plan, cfg, unclamped, ranks, supported, unseen, late)
         # the rate's lower end only where the leader cannot have clamped the record (the spread caps of the plan)
         or compute_problems(
             plan, cfg, rule.balanced, sampled, {p: lows[p] if p in unclamped else 0.0 for p in lows}, "its record"
@@ -628,6 +633,7 @@ def _under_plan_problem(
     ranks: Mapping[str, int],
     supported: Optional[Mapping[str, float]],
     unseen: Optional[Mapping[str, float]] = None,
+    late: Optional[Mapping[str, float]] = None,
 ) -> Optional[str]:
     """A participant planned far fewer tokens than it fits in the plan's window when no cap of the plan explains
     it (session 36; red team of session 34, #3: a rogue leader planned its partner at 4 steps and every honest
@@ -664,11 +670,11 @@ def _under_plan_problem(
             f"1/{PLAN_CHECK_TOLERANCE:g} of the {expected} its own predicted times fit in the {T:.3g} s window, "
             "and no cap of the plan explains fewer"
         )
-    ceilings = evidence_ceiling_range(plan.participants(), supported, unseen)  # the lowest (red team 37, F2)
+    ceilings = evidence_ceiling_range(plan.participants(), supported, unseen, late)  # the lowest (red team 37, F2)
     if not ceilings:
         return None
     fits: dict[str, tuple[int, int]] = {}
-    own, own_fits, rated = evidence_ceilings(plan.participants(), supported), {}, usable_rates(supported)
+    own, own_fits, rated = evidence_ceilings(plan.participants(), supported, late), {}, usable_rates(supported)
     assigned = {a.peer_id: a for a in plan.assignments}
     for pid, r in records.items():
         try:

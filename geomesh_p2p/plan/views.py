@@ -243,6 +243,7 @@ def lowest_ceilings(
     supported: Optional[Mapping[str, float]],
     unseen: Optional[Mapping[str, float]],
     balanced: bool,
+    late: Optional[Mapping[str, float]] = None,
 ) -> dict[str, Optional[float]]:
     """peer id -> the ``lowest`` of :func:`compute_problem` for each participant of ``plan``: the lowest delivered-work
     ceiling (tokens/s) of :func:`~geomesh_p2p.plan.bounds.evidence_ceiling_range`. Without a usable map at this
@@ -250,7 +251,7 @@ def lowest_ceilings(
     but in round 0 (nobody holds one) and for uniform methods (no evidence planning) None."""
     if not balanced:
         return {p: None for p in plan.participants()}
-    ranges = evidence_ceiling_range(plan.participants(), supported, unseen)
+    ranges = evidence_ceiling_range(plan.participants(), supported, unseen, late)
     if ranges:
         return {p: lo for p, (lo, _) in ranges.items()}
     return {p: None if plan.round == 0 else 0.0 for p in plan.participants()}

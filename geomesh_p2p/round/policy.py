@@ -150,7 +150,7 @@ class NodeRoundPolicy:
         cands = pb.leader_candidates(
             self.planning.standing_view(list(live.values())),
             [m.peer_id for m in members],
-            barred=self.penalties.noshows(),
+            barred=self.penalties.unled(),
         )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
         if (
@@ -181,7 +181,7 @@ class NodeRoundPolicy:
         view = self.planning.standing_view(records)
         if not records and view.missed and view.credited < view.threshold:
             return None
-        return pb.may_lead(view, self.verified.member_ids(peer_ids), barred=self.penalties.noshows())
+        return pb.may_lead(view, self.verified.member_ids(peer_ids), barred=self.penalties.unled())
 
     def collective_spec(self, plan):
         """The collective's spec of ``plan`` (:func:`~geomesh_p2p.round.rules.spec.collective_spec`).
@@ -245,14 +245,18 @@ class NodeRoundPolicy:
                 spec.quorum_count(),
                 missing,
             )
-        self.penalties.note_own_failures(spec, plan, ar)
+        # who delivered in the round before (the graced no-shows' condition): every peer that applied it holds it
+        before = self.planning.delivered_evidence(plan.round)
+        self.penalties.note_own_failures(spec, plan, ar, delivered_before=before)
         self.penalties.note_failed_owners(spec, ar)
-        self.penalties.note_no_shows(plan, ar)
+        self.penalties.note_no_shows(plan, ar, delivered_before=before)
         self.profile.update_exchange_cost(spec, ar)
 
     def note_own_failures(self, spec, plan, ar, *, stalled: bool = False) -> None:
         """:meth:`Penalties.note_own_failures` (the driver calls it alone for a round this peer stalled through)."""
-        self.penalties.note_own_failures(spec, plan, ar, stalled=stalled)
+        self.penalties.note_own_failures(
+            spec, plan, ar, stalled=stalled, delivered_before=self.planning.delivered_evidence(plan.round)
+        )
 
     def forget_marks_since(self, round: int) -> list[str]:
         """:meth:`Penalties.forget_marks_since` and the standing credits of the same rounds

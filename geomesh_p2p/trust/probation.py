@@ -55,6 +55,16 @@ A peer planned in round ``r`` that is in no aggregate this node applied (it push
 owner took) is not planned again for ``NOSHOW_PENALTY_ROUNDS`` rounds (``PROBATION_NOSHOW_PENALTY_ROUNDS``
 when it was on probation) and is no leader candidate meanwhile. Every honest peer applied the same
 aggregates, so honest leaders agree.
+
+A late peer (session 49): an honest but slow peer whose pushes reach their owners after the parts closed is, for every
+other peer, a no-show like any other (the owners refuse the pushes; no result lists it). Benched, it came back with the
+same budget and was late again (in, out, in: 4,3,3,2,3,2 rows a round in a 4-peer run). So every no-show is also
+*marked late* for ``LATE_MARK_ROUNDS`` rounds: it is planned at no more than ``plan.bounds.LATE_RATE_SHARE`` of the rate
+its plan of that round gave it (:func:`~geomesh_p2p.plan.bounds.late_ceiling`; followers accept a budget that low) and
+is no leader candidate. An established peer that delivered in the round before and holds no late mark is *not* benched
+for that miss: it stays planned, with the smaller budget. A miss while marked, a miss after a round without delivered
+work (a free rider that never delivers, a crashed peer) and a miss on probation bench it as before, and the mark then
+outlasts the bench. Every input is the plans and the part results every honest peer applied.
 """
 
 from __future__ import annotations
@@ -86,6 +96,10 @@ NOSHOW_PENALTY_ROUNDS = 3
 #: The same for a peer that was on probation when it did not show up: longer, so identities that never
 #: deliver are each tried rarely; an honest newcomer that missed once waits as long.
 PROBATION_NOSHOW_PENALTY_ROUNDS = 10
+#: Rounds a no-show stays marked late (after its bench, if benched): planned at no more than ``LATE_RATE_SHARE`` of its
+#: planned rate, no leader candidate, and benched at its next miss. A peer that only misses while its budget regrows
+#: misses at most one round in ``LATE_MARK_ROUNDS + 1`` without being benched, and delivers the others.
+LATE_MARK_ROUNDS = 8
 #: An owner closes a part this long (at least) after every established participant pushed it, without
 #: the probation peers that have not: ``max(EARLY_CLOSE_MIN_S, EARLY_CLOSE_WINDOW_SHARE x window)``.
 EARLY_CLOSE_MIN_S = 0.5

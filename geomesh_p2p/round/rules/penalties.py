@@ -1,7 +1,10 @@
 """Penalties of the round rules (:class:`Penalties`): owners whose part had no valid result own no part for
 ``OWNER_PENALTY_ROUNDS`` rounds, participants that contributed to no part are not planned (nor leader
 candidates) for ``probation.noshow_penalty_rounds`` rounds, and this peer's own failures, taken on by
-itself so that its plans and checks agree with the others'. A round that aggregated no token anywhere
+itself so that its plans and checks agree with the others'. Every no-show is also marked late
+(``probation.LATE_MARK_ROUNDS`` rounds planned at a smaller rate, :meth:`Penalties.late_ceilings`, and no leader
+candidate); an established one that delivered the round before and was not marked stays planned instead of benched
+(an honest peer whose pushes came after the parts closed gets less work, not a bench). A round that aggregated no token anywhere
 concludes nothing (:func:`conclusive`): under overload every peer's view of it differs, and marks taken from
 those views split the swarm (issue 25, 32 processes on 2 cores).
 """
@@ -9,7 +12,10 @@ those views split the swarm (issue 25, 32 processes on 2 cores).
 from __future__ import annotations
 
 import logging
+import math
+from typing import Collection, Optional
 
+from geomesh_p2p.plan.bounds import late_ceiling
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import probation as pb
 
@@ -42,25 +48,33 @@ def conclusive(ar) -> bool:
 
 
 class Penalties:
-    """Owner and no-show penalties this peer holds (peer id -> last round of the penalty).
+    """Owner and no-show penalties and late marks this peer holds (peer id -> last round of the penalty).
 
     Args:
         state: this peer's :class:`RoundState` (``me``, ``round``).
         owner: initial owner penalties (peer id -> last round it owns no part).
         noshow: initial no-show penalties (peer id -> last round it is not planned).
+
+    Attributes:
+        late: peer id -> (last round of its late mark, its tokens/s ceiling meanwhile: :meth:`late_ceilings`).
     """
 
     def __init__(self, state: RoundState, owner: dict[str, int] | None = None, noshow: dict[str, int] | None = None):
         self.state = state
         self.owner: dict[str, int] = dict(owner or {})
         self.noshow: dict[str, int] = dict(noshow or {})
-        #: (penalty kind "owner" | "noshow", peer id) -> the round in which this peer noted that penalty
+        self.late: dict[str, tuple[int, float]] = {}
+        #: (penalty kind "owner" | "noshow" | "late", peer id) -> the round in which this peer noted that penalty
         self.noted: dict[tuple[str, str], int] = {}
 
     def to_meta(self) -> dict:
         """The penalties as JSON-able data for the checkpoint's meta: ``{"owner": {peer id: last round},
-        "noshow": {peer id: last round}}``."""
-        return {"owner": dict(self.owner), "noshow": dict(self.noshow)}
+        "noshow": {peer id: last round}, "late": {peer id: [last round, tokens/s]}}``."""
+        return {
+            "owner": dict(self.owner),
+            "noshow": dict(self.noshow),
+            "late": {p: list(m) for p, m in self.late.items()},
+        }
 
     def restore(self, meta) -> None:
         """Take the penalties of :meth:`to_meta` (``--resume``); malformed entries are dropped (a checkpoint
@@ -78,6 +92,14 @@ class Penalties:
                     if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and type(r) is int
                 ]
                 getattr(self, kind).update(ok[:MAX_RESTORED])
+        got = meta.get("late")
+        if isinstance(got, dict):
+            marks = [
+                (p, m)
+                for p, m in got.items()
+                if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and _mark_ok(m)
+            ]  # never this peer itself, as above (its own marks come back with the rounds it re-applies)
+            self.late.update((p, (int(m[0]), float(m[1]))) for p, m in marks[:MAX_RESTORED])
 
     def noshows(self) -> dict[str, int]:
         """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
@@ -85,6 +107,23 @@ class Penalties:
         for p in [p for p, until in pen.items() if until < self.state.round]:
             del pen[p]
         return pen
+
+    def late_marks(self) -> dict[str, tuple[int, float]]:
+        """Late marks in force this round (peer id -> (last round, tokens/s ceiling)); expired ones dropped."""
+        for p in [p for p, (until, _) in self.late.items() if until < self.state.round]:
+            del self.late[p]
+        return self.late
+
+    def late_ceilings(self) -> dict[str, float]:
+        """peer id -> the most tokens/s a plan of this round gives it (:func:`~geomesh_p2p.plan.bounds.late_ceiling`),
+        for the peers marked late: the leader plans them within it and followers accept budgets that low
+        (``late`` of :func:`~geomesh_p2p.plan.planner.check_plan`)."""
+        return {p: c for p, (_, c) in self.late_marks().items()}
+
+    def unled(self) -> set[str]:
+        """Peers that are no leader candidates this round: no-shows and peers marked late (a late peer must not plan
+        its own budget: followers accept it at the newcomer seed, over its late ceiling)."""
+        return set(self.noshows()) | set(self.late_marks())
 
     def barred(self) -> list[str]:
         """Peers under an owner penalty this round."""
@@ -99,13 +138,15 @@ class Penalties:
         marks went."""
         noted = self.noted
         gone = [(kind, pid) for (kind, pid), r in noted.items() if r >= round]
-        pens = {"owner": self.owner, "noshow": self.noshows()}
+        pens: dict[str, dict] = {"owner": self.owner, "noshow": self.noshows(), "late": self.late}
         for kind, pid in gone:
             pens[kind].pop(pid, None)
             del noted[(kind, pid)]
         return sorted({pid for _, pid in gone})
 
-    def note_own_failures(self, spec, plan, ar, *, stalled: bool = False) -> None:
+    def note_own_failures(
+        self, spec, plan, ar, *, stalled: bool = False, delivered_before: Optional[Collection[str]] = None
+    ) -> None:
         """Penalties the other peers give this peer for round ``plan.round``, taken on by itself so that its
         plans and checks agree with theirs (one INFO line each when it starts):
 
@@ -114,7 +155,8 @@ class Penalties:
           plans itself client-only and accepts their plans that give it no part (planner.check_plan);
         * a participant in no part's contributors (``stalled``: it pushed nothing in time, whatever its own
           view of the parts): they mark it a no-show (:meth:`note_no_shows`), refuse its plans and do not
-          plan it; marked in its own view too, it does not lead meanwhile (leader_candidates' ``barred``).
+          plan it; marked in its own view too, it does not lead meanwhile (leader_candidates' ``barred``); or, late
+          but established, in ``delivered_before`` and not marked late (:meth:`note_no_shows`), only marked late.
 
         The driver calls it alone (``stalled=True``) for a round this peer was stalled through: its view
         of the others is void then, its own failures are real for everyone. Otherwise nothing is taken on
@@ -122,7 +164,7 @@ class Penalties:
         if not stalled and not conclusive(ar):
             return
         me = self.state.me
-        self._note_own_no_show(plan, ar, stalled)
+        self._note_own_no_show(plan, ar, stalled, delivered_before)
         for j in ar.missing_parts:
             if _owner_of(spec, ar, j) != me:  # a grouped round's parts are its cross level's (their leaders own them)
                 continue
@@ -136,7 +178,7 @@ class Penalties:
                 )
             self.owner[me] = spec.round + OWNER_PENALTY_ROUNDS
 
-    def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
+    def _note_own_no_show(self, plan, ar, stalled: bool, delivered_before: Optional[Collection[str]]) -> None:
         """:meth:`note_own_failures`' no-show half."""
         me = self.state.me
         if me is None or me not in plan.participants():
@@ -144,6 +186,14 @@ class Penalties:
         if not stalled and me not in pb.absent_participants(plan.participants(), ar.contributors):
             return
         pen = self.noshows()
+        if self._mark_late(plan, me, pen, delivered_before):
+            log.info(
+                "round %d: this peer contributed to no part the others applied (late); they plan it with less work "
+                "and not as a leader for the next %d rounds, and so does it",
+                plan.round,
+                pb.LATE_MARK_ROUNDS,
+            )
+            return
         rounds = pb.noshow_penalty_rounds(me in set(plan.probation()))
         if me not in pen:
             log.info(
@@ -175,17 +225,29 @@ class Penalties:
             self.owner[pid] = spec.round + OWNER_PENALTY_ROUNDS
             self.noted[("owner", pid)] = spec.round
 
-    def note_no_shows(self, plan, ar) -> None:
-        """Participants of ``plan`` in no aggregate this node applied are not planned (nor leader
-        candidates) for ``probation.noshow_penalty_rounds`` rounds. Every honest peer applied the same
-        aggregates, so honest leaders agree. Nothing is concluded when no part had a result, nor when no
-        part aggregated a token (:func:`conclusive`)."""
+    def note_no_shows(self, plan, ar, delivered_before: Optional[Collection[str]] = None) -> None:
+        """Participants of ``plan`` in no aggregate this node applied are marked late for ``probation.
+        LATE_MARK_ROUNDS`` rounds (:meth:`late_ceilings`; no leader candidates meanwhile) and, unless graced, not
+        planned for ``probation.noshow_penalty_rounds`` rounds. Graced (planned, with the late ceiling): an
+        established participant in ``delivered_before`` (the peers that delivered in round ``plan.round - 1``,
+        :meth:`~geomesh_p2p.round.rules.planning.PlanRules.delivered_evidence`) that holds no late mark nor bench.
+        Every honest peer applied the same plans and aggregates, so honest leaders agree. Nothing is concluded
+        when no part had a result, nor when no part aggregated a token (:func:`conclusive`)."""
         if not conclusive(ar):
             return
         pen = self.noshows()
         marked = set(plan.probation())
         for pid in pb.absent_participants(plan.participants(), ar.contributors):
             if pid == self.state.me:
+                continue
+            if self._mark_late(plan, pid, pen, delivered_before):
+                log.warning(
+                    "round %d: %s was planned and contributed to no part (late: its pushes came after the parts "
+                    "closed, or none came); planned with less work and not as a leader for the next %d rounds",
+                    plan.round,
+                    pid[:10],
+                    pb.LATE_MARK_ROUNDS,
+                )
                 continue
             rounds = pb.noshow_penalty_rounds(pid in marked)
             if pid not in pen:
@@ -200,6 +262,27 @@ class Penalties:
             pen[pid] = plan.round + rounds
             self.noted[("noshow", pid)] = plan.round
 
+    def _mark_late(self, plan, pid: str, pen: dict, delivered_before: Optional[Collection[str]]) -> bool:
+        """Mark participant ``pid`` of ``plan``, which contributed to no part, late (see :meth:`note_no_shows`), and
+        return whether it is graced (not benched). The mark lasts ``LATE_MARK_ROUNDS`` rounds past the bench it gets
+        (none when graced); its ceiling is :func:`~geomesh_p2p.plan.bounds.late_ceiling` of the rate ``plan`` gave it
+        (0, no ceiling, from a plan that gave it no compute: the mark still bars it from leading and from a grace)."""
+        marks = self.late_marks()
+        held = marks.get(pid)
+        on_probation = pid in set(plan.probation())
+        graced = not on_probation and pid in (delivered_before or ()) and held is None and pid not in pen
+        bench = 0 if graced else pb.noshow_penalty_rounds(on_probation)
+        a = next((a for a in getattr(plan, "assignments", ()) if a.peer_id == pid), None)
+        held_c = held[1] if held is not None and held[1] > 0 else None
+        if a is not None and a.predicted_compute_s > 0 and a.token_budget > 0:
+            ceiling = late_ceiling(a.token_budget / a.predicted_compute_s, held_c)
+        else:
+            ceiling = held_c or 0.0
+        marks[pid] = (plan.round + bench + pb.LATE_MARK_ROUNDS, ceiling)
+        if pid != self.state.me:
+            self.noted[("late", pid)] = plan.round
+        return graced
+
     def without_parts(self, members, probation=()):
         """``members`` with the peers under an owner penalty planned as client-only (they own no part),
         unless that would leave no owner at all; peers on ``probation`` always own no part."""
@@ -212,6 +295,20 @@ class Penalties:
         if not barred or all(m in barred or not m.address for m in members):
             return members
         return [m.model_copy(update={"address": None}) if m in barred else m for m in members]
+
+
+def _mark_ok(m) -> bool:
+    """A restored late mark: ``[last round (int), tokens/s ceiling (a finite float >= 0; 0: none)]``."""
+    if not (isinstance(m, (list, tuple)) and len(m) == 2 and type(m[0]) is int):
+        return False
+    c = m[1]
+    if not isinstance(c, (int, float)) or isinstance(c, bool):
+        return False
+    try:
+        v = float(c)
+    except OverflowError:  # a JSON integer past a float's range (red team 39)
+        return False
+    return math.isfinite(v) and v >= 0
 
 
 def _owner_of(spec, ar, j: int) -> str:

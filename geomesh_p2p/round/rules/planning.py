@@ -220,6 +220,8 @@ class PlanRules:
             start_digest=self.state.digest,
             supported_tokens_per_s=supported,
             probation=probation,
+            # late peers (no part of a recent round took their work) get less of it (probation.py, "A late peer")
+            late_tokens_per_s=self.penalties.late_ceilings(),
         )
 
     def plan_problem(self, plan, live: dict) -> Optional[str]:
@@ -257,6 +259,7 @@ class PlanRules:
             barred=barred,
             supported=self.delivered_evidence(plan.round),
             unseen=self.unseen_evidence(plan.round),
+            late=self.penalties.late_ceilings(),
         )
 
     def sampled_plan_problem(self, plan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
@@ -288,6 +291,7 @@ class PlanRules:
             barred=self.penalties.barred(),
             supported=self.delivered_evidence(plan.round),
             unseen=self.unseen_evidence(plan.round),
+            late=self.penalties.late_ceilings(),
         )
 
     def delivered_evidence(self, round: int) -> Optional[dict]:
