@@ -250,7 +250,7 @@ class PlanRules:
         reason = self._penalty_problem(plan)
         if reason is not None:
             return reason
-        barred = self.penalties.barred()
+        barred = self.penalties.part_barred()  # late marks too: a leader holding them plans those peers client-only
         return planner.check_plan(
             plan,
             live,
@@ -288,7 +288,7 @@ class PlanRules:
             sampled,
             self.plan_config(len(plan.assignments)),
             now=swarm_time(),
-            barred=self.penalties.barred(),
+            barred=self.penalties.part_barred(),
             supported=self.delivered_evidence(plan.round),
             unseen=self.unseen_evidence(plan.round),
             late=self.penalties.late_ceilings(),
@@ -344,6 +344,10 @@ class PlanRules:
         me, barred, noshows = self.state.me, self.penalties.barred(), self.penalties.noshows()
         if plan.leader in noshows and plan.leader != me:
             return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
+        if plan.leader in self.penalties.late_marks() and plan.leader != me:
+            # a graced no-show is planned, not benched: without this its own plan (its full rate, over its late
+            # ceiling: the followers' high end stays) passed (red team 49)
+            return f"its leader {plan.leader[:10]} is marked late (contributed to no part of a recent round)"
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
