@@ -129,13 +129,6 @@ class Penalties:
         """Peers under an owner penalty this round."""
         return [p for p, until in self.owner.items() if until >= self.state.round]
 
-    def part_barred(self) -> list[str]:
-        """Peers planned client-only this round (:meth:`without_parts`; ``barred`` of
-        :func:`~geomesh_p2p.plan.planner.check_plan`): owner penalties and late marks. A late mark bars owning because
-        a crashed peer that delivered the round before is graced and planned once more while dead (red team 49: its part
-        then had no result, a zero update of that range, when it was client-only in the round it died in)."""
-        return sorted(set(self.barred()) | set(self.late_marks()))
-
     def forget_marks_since(self, round: int) -> list[str]:
         """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
         after a re-sync to a state this peer did not make: those rounds were of a lineage the swarm never
@@ -291,16 +284,14 @@ class Penalties:
         return graced
 
     def without_parts(self, members, probation=()):
-        """``members`` with the peers under an owner penalty or a late mark (:meth:`part_barred`) planned as
-        client-only (they own no part), unless that would leave no owner at all; peers on ``probation`` always own
-        no part."""
+        """``members`` with the peers under an owner penalty planned as client-only (they own no part),
+        unless that would leave no owner at all; peers on ``probation`` always own no part."""
         self.owner = {p: until for p, until in self.owner.items() if until >= self.state.round}
-        no_part = set(self.part_barred())
         if probation:
             members = [
                 m.model_copy(update={"address": None}) if m.peer_id in probation and m.address else m for m in members
             ]
-        barred = [m for m in members if m.peer_id in no_part and m.address]
+        barred = [m for m in members if m.peer_id in self.owner and m.address]
         if not barred or all(m in barred or not m.address for m in members):
             return members
         return [m.model_copy(update={"address": None}) if m in barred else m for m in members]

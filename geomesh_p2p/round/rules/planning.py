@@ -250,7 +250,7 @@ class PlanRules:
         reason = self._penalty_problem(plan)
         if reason is not None:
             return reason
-        barred = self.penalties.part_barred()  # late marks too: a leader holding them plans those peers client-only
+        barred = self.penalties.barred()
         return planner.check_plan(
             plan,
             live,
@@ -288,7 +288,7 @@ class PlanRules:
             sampled,
             self.plan_config(len(plan.assignments)),
             now=swarm_time(),
-            barred=self.penalties.part_barred(),
+            barred=self.penalties.barred(),
             supported=self.delivered_evidence(plan.round),
             unseen=self.unseen_evidence(plan.round),
             late=self.penalties.late_ceilings(),
