@@ -344,10 +344,6 @@ class PlanRules:
         me, barred, noshows = self.state.me, self.penalties.barred(), self.penalties.noshows()
         if plan.leader in noshows and plan.leader != me:
             return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
-        if plan.leader in self.penalties.late_marks() and plan.leader != me:
-            # a graced no-show is planned, not benched: without this its own plan (its full rate, over its late
-            # ceiling: the followers' high end stays) passed (red team 49)
-            return f"its leader {plan.leader[:10]} is marked late (contributed to no part of a recent round)"
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
