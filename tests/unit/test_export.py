@@ -187,7 +187,9 @@ def test_bad_input_fails_with_one_line(trained, tmp_path, capsys):
     assert "unreadable metadata" in table and "digest" in table
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["checkpoints", str(empty)]) == 1
+    assert (
+        main(["checkpoints", str(empty)]) == 2
+    )  # a DIR that holds no checkpoint is a bad argument (fresh user 49: exit 2, as a missing one)
     assert "no checkpoint" in _one_line_error(capsys, "geomesh-peer checkpoints: ")
     # another run's data without --data
     hf_run = run.model_copy(update={"data": "corpus.txt:123:abcdef"})
