@@ -284,7 +284,10 @@ class NodeRoundPolicy:
     def planned_out(self, r: int, plan) -> None:
         """This peer sits round ``r`` out (planned out, or refusing ``plan``): accountable mode reads the proofs in
         the DHT all the same (:meth:`Accountability.read_in_background`), and verified work applies its ended checks
-        and reads the swarm's evidence (:meth:`VerifiedWork.planned_out`), so its verdicts follow the swarm's."""
+        and reads the swarm's evidence (:meth:`VerifiedWork.planned_out`), so its verdicts follow the swarm's. Where
+        ``plan`` names this peer, it takes on the marks the peers running ``plan`` give it
+        (:meth:`Penalties.note_sat_out`), so that its plans and checks agree with theirs."""
+        self.penalties.note_sat_out(plan)
         self.verified.planned_out(r)
         if self.accountable is not None:
             self.accountable.read_in_background(r, plan)

@@ -326,7 +326,7 @@ class RoundPolicy(Protocol):
 
     def planned_out(self, r: int, plan: RoundPlan) -> None:
         """This peer sits round ``r`` out (planned out or refusing ``plan``): what must go on regardless (accountable
-        mode's read of the proofs; never raises)."""
+        mode's read of the proofs; the marks the others give it where ``plan`` names it; never raises)."""
 
     def publish_record(self, record: RoundRecord) -> None:
         """The round's row to the log, Prometheus and the status page."""

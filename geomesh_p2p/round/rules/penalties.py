@@ -63,19 +63,26 @@ class Penalties:
         return {"owner": dict(self.owner), "noshow": dict(self.noshow)}
 
     def restore(self, meta) -> None:
-        """Take the penalties of :meth:`to_meta` (``--resume``); malformed entries are dropped (a checkpoint
-        is this peer's own file, but an edited one must not end the node)."""
+        """Take the penalties of :meth:`to_meta` (``--resume``; ``state.round`` is the checkpoint's round); malformed
+        entries are dropped (a checkpoint is this peer's own file, but an edited one must not end the node), and so
+        are marks on this peer itself that end later than the longest penalty would from that round."""
         if not isinstance(meta, dict):
             return
+        # This peer's marks on itself are the others' marks on it, which they restore too: dropped, it led plans
+        # they refused until those ended. Kept within the longest penalty from the checkpoint's round only (an
+        # edited file barred it for ever, silently: red team, session 13).
+        own_max = {"owner": OWNER_PENALTY_ROUNDS, "noshow": max(pb.noshow_penalty_rounds(x) for x in (False, True))}
         for kind in ("owner", "noshow"):
             got = meta.get(kind)
             if isinstance(got, dict):
-                # never this peer itself (an edited file barred it for ever, silently: red team, session 13),
                 # ids of PeerID length, and a bounded number (the penalties of one swarm)
                 ok = [
                     (p, r)
                     for p, r in got.items()
-                    if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and type(r) is int
+                    if isinstance(p, str)
+                    and 0 < len(p) <= MAX_ID_CHARS
+                    and type(r) is int
+                    and (p != self.state.me or r <= self.state.round + own_max[kind])
                 ]
                 getattr(self, kind).update(ok[:MAX_RESTORED])
 
@@ -135,6 +142,33 @@ class Penalties:
                     OWNER_PENALTY_ROUNDS,
                 )
             self.owner[me] = spec.round + OWNER_PENALTY_ROUNDS
+
+    def note_sat_out(self, plan) -> None:
+        """This peer sits round ``plan.round`` out although ``plan`` names it (it refuses the plan the others may
+        follow, or its weights differ from the plan's): at every peer that runs ``plan`` the parts it gives this
+        peer have no result and this peer contributes to no part, so they bar it from owning
+        (:meth:`note_failed_owners`) and mark it a no-show (:meth:`note_no_shows`). It takes the same marks on
+        itself, as a peer stalled through a round does (:meth:`note_own_failures` ``stalled``). Before, a peer
+        that refused a plan noted nothing on itself: ``OWNER_PENALTY_ROUNDS`` rounds later it led a plan giving
+        itself a part while the others still barred it for one more round, they refused that plan, their own
+        parts failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68,
+        73, one peer training alone). Marking itself where the others did not (nobody ran ``plan``) costs it
+        its parts and its turns as leader for those rounds only: their checks accept plans that give it less."""
+        me = self.state.me
+        if me is None or me not in plan.participants():
+            return
+        owned = [j for j, (pid, start, end) in enumerate(plan.owners()) if pid == me and end > start]
+        self._note_own_no_show(plan, None, True)
+        if owned:
+            if me not in self.owner:
+                log.info(
+                    "round %d: this peer sits out a plan that gives it part(s) %s; the others bar it from owning a "
+                    "part for the next %d rounds, and so does it",
+                    plan.round,
+                    owned,
+                    OWNER_PENALTY_ROUNDS,
+                )
+            self.owner[me] = plan.round + OWNER_PENALTY_ROUNDS
 
     def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
         """:meth:`note_own_failures`' no-show half."""
