@@ -13,6 +13,7 @@ import pytest
 
 from geomesh_p2p.round.rules import OWNER_PENALTY_ROUNDS, Penalties, RoundState
 from geomesh_p2p.trust.probation import noshow_penalty_rounds
+from geomesh_p2p.telemetry import events
 from tests.rules_util import make_rules
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,3 +104,96 @@ def test_a_restart_keeps_the_marks_on_this_peer_that_the_others_keep():
         }
     )
     assert (edited.owner, edited.noshow) == ({}, {})
+
+
+class _Round:
+    """A peer's RoundState as :class:`Penalties` reads it: its id and the round it is at."""
+
+    def __init__(self, peer):
+        self.peer, self.me = peer, peer.me
+
+    @property
+    def round(self) -> int:
+        return self.peer.round
+
+
+def _marked_peer_class():
+    """tests/unit/test_round_driver.py's FakePeer with the node's owner and no-show rules (:class:`Penalties`):
+    leaders plan barred owners client-only and no-shows out, followers refuse plans that give a barred peer a part
+    or that a no-show leads, the exchange misses the parts of owners that pushed nothing, and sitting out goes
+    through :meth:`NodeRoundPolicy.planned_out`."""
+    from geomesh_p2p.round.policy import NodeRoundPolicy
+    from geomesh_p2p.round.rules.planning import PlanRules
+    from tests.unit.test_round_driver import FakePeer
+
+    class MarkedPeer(FakePeer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.pen = Penalties(_Round(self))
+
+        def make_plan(self, members, leader):
+            return super().make_plan(self.pen.without_parts(members), leader)
+
+        def plan_problem(self, plan, live):
+            duck = SimpleNamespace(state=self.pen.state, penalties=self.pen)
+            return super().plan_problem(plan, live) or PlanRules._penalty_problem(duck, plan)
+
+        def leader_candidates(self, members, live):
+            noshows = self.pen.noshows()
+            return list(members), [m.peer_id for m in members if m.peer_id not in noshows]
+
+        async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
+            ar = await super().all_reduce(spec, delta, tokens, compute_end, in_place=in_place)
+            pushed = [(p, t) for p, t in ar.contributors[0]]
+            ids = {p for p, _ in pushed}
+            parts = spec.owners()
+            ar.missing_parts = [j for j, (pid, _, _) in enumerate(parts) if pid not in ids]
+            ar.contributors = {j: pushed for j in range(len(parts)) if j not in ar.missing_parts}
+            return ar
+
+        def _spec(self, plan):
+            return SimpleNamespace(round=plan.round, owners=[SimpleNamespace(peer_id=p) for p, _, _ in plan.owners()])
+
+        def after_exchange(self, spec, plan, ar):
+            self.pen.note_own_failures(self._spec(plan), plan, ar)
+            self.pen.note_failed_owners(self._spec(plan), ar)
+            self.pen.note_no_shows(plan, ar)
+
+        def note_own_failures(self, spec, plan, ar, *, stalled=False):
+            self.pen.note_own_failures(self._spec(plan), plan, ar, stalled=stalled)
+
+        def planned_out(self, r, plan):
+            super().planned_out(r, plan)
+            duck = SimpleNamespace(
+                penalties=self.pen, verified=SimpleNamespace(planned_out=lambda r: None), accountable=None
+            )
+            NodeRoundPolicy.planned_out(duck, r, plan)  # type: ignore[arg-type]
+
+    return MarkedPeer
+
+
+async def test_a_refused_plan_is_not_refused_again_every_owner_penalty_in_the_driver():
+    """Three in-memory peers (the round driver's fakes, real plan agreement) with the node's penalty rules. As in
+    the trial: the second-ranked peer of round 0 restored an owner mark on round 0's leader, which does not know of
+    it, and refuses its plan; the two others run round 0 without it and mark it. Before: it held no mark on itself,
+    led round 5 giving itself a part the others still barred, and they refused that plan in turn (then the next
+    one 5 rounds later). Now the one refusal is the only one, and all three train rounds 4-7 together."""
+    from geomesh_p2p.round import leader_order
+    from tests.unit.test_round_driver import RUN, _peers, _run_all
+
+    cls = _marked_peer_class()
+    for _ in range(200):  # identities whose leader order makes the refuser lead round 5 (as 4GdEFofYEr led 63)
+        peers = _peers(3, cls=cls, exchange_timeout_s=0.5)
+        ids = [p.me for p in peers]
+        first, refuser = leader_order(RUN, 0, ids)[:2]
+        if leader_order(RUN, 5, ids)[0] == refuser:
+            break
+    by_id = {p.me: p for p in peers}
+    by_id[refuser].pen.owner[first] = 0  # its checkpoint's mark on round 0's leader (it failed a part before)
+    with events.capture("planned_out") as out:
+        await _run_all(peers, rounds=8, min_peers=3)
+    refusals = [(e["peer"], e["round"]) for e in out if e["reason"] == "refused"]
+    assert refusals == [(refuser, 0)]
+    others = [p for p in peers if p.me != refuser]
+    assert {row.round: row.peers for row in others[0].drv.history if row.round >= 4} == {4: 3, 5: 3, 6: 3, 7: 3}
+    assert len({p.digest for p in peers}) == 1 and all(p.round == 8 for p in peers)
