@@ -9,6 +9,7 @@ those views split the swarm (issue 25, 32 processes on 2 cores).
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import probation as pb
@@ -149,26 +150,19 @@ class Penalties:
         peer have no result and this peer contributes to no part, so they bar it from owning
         (:meth:`note_failed_owners`) and mark it a no-show (:meth:`note_no_shows`). It takes the same marks on
         itself, as a peer stalled through a round does (:meth:`note_own_failures` ``stalled``). Before, a peer
-        that refused a plan noted nothing on itself: ``OWNER_PENALTY_ROUNDS`` rounds later it led a plan giving
-        itself a part while the others still barred it for one more round, they refused that plan, their own
-        parts failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68,
-        73, one peer training alone). Marking itself where the others did not (nobody ran ``plan``) costs it
+        that refused a plan noted nothing on itself: at its first turn as leader, ``OWNER_PENALTY_ROUNDS`` rounds
+        later, it gave itself a part the others barred through that round, they refused its plan, their own parts
+        failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68, 73; one
+        peer trained 8 of rounds 63-74 alone). Marking itself where the others did not (nobody ran ``plan``) costs it
         its parts and its turns as leader for those rounds only: their checks accept plans that give it less."""
         me = self.state.me
         if me is None or me not in plan.participants():
             return
-        owned = [j for j, (pid, start, end) in enumerate(plan.owners()) if pid == me and end > start]
-        self._note_own_no_show(plan, None, True)
-        if owned:
-            if me not in self.owner:
-                log.info(
-                    "round %d: this peer sits out a plan that gives it part(s) %s; the others bar it from owning a "
-                    "part for the next %d rounds, and so does it",
-                    plan.round,
-                    owned,
-                    OWNER_PENALTY_ROUNDS,
-                )
-            self.owner[me] = plan.round + OWNER_PENALTY_ROUNDS
+        # the round as the others conclude it, this peer's view aside: its parts missing, it in no part's contributors
+        parts = plan.owners()
+        spec = SimpleNamespace(round=plan.round, owners=[SimpleNamespace(peer_id=pid) for pid, _, _ in parts])
+        missing = [j for j, (pid, _, _) in enumerate(parts) if pid == me]
+        self.note_own_failures(spec, plan, SimpleNamespace(missing_parts=missing, contributors={}), stalled=True)
 
     def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
         """:meth:`note_own_failures`' no-show half."""
