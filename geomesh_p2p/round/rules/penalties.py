@@ -9,7 +9,6 @@ those views split the swarm (issue 25, 32 processes on 2 cores).
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import probation as pb
@@ -98,6 +97,23 @@ class Penalties:
         """Peers under an owner penalty this round."""
         return [p for p, until in self.owner.items() if until >= self.state.round]
 
+    def note_sat_out(self, plan) -> None:
+        """This peer sits round ``plan.round`` out although ``plan`` names it (it refuses the plan the others may
+        follow, or its weights differ from the plan's): at every peer that runs ``plan`` the parts it gives this
+        peer have no result and this peer contributes to no part, so they bar it from owning
+        (:meth:`note_failed_owners`) and mark it a no-show (:meth:`note_no_shows`). It takes the same marks on
+        itself, as a peer stalled through a round does (:meth:`note_own_failures` ``stalled``). Before, a peer
+        that refused a plan noted nothing on itself: at its first turn as leader, ``OWNER_PENALTY_ROUNDS`` rounds
+        later, it gave itself a part the others barred through that round, they refused its plan, their own parts
+        failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68, 73; one
+        peer trained 8 of rounds 63-74 alone). Marking itself where the others did not (nobody ran ``plan``) costs it
+        its parts and its turns as leader for those rounds only: their checks accept plans that give it less."""
+        me = self.state.me
+        if me is None or me not in plan.participants():
+            return
+        concluded = _SatOut(plan.round, [pid for pid, _, _ in plan.owners()], me)
+        self.note_own_failures(concluded, plan, concluded, stalled=True)
+
     def forget_marks_since(self, round: int) -> list[str]:
         """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
         after a re-sync to a state this peer did not make: those rounds were of a lineage the swarm never
@@ -143,26 +159,6 @@ class Penalties:
                     OWNER_PENALTY_ROUNDS,
                 )
             self.owner[me] = spec.round + OWNER_PENALTY_ROUNDS
-
-    def note_sat_out(self, plan) -> None:
-        """This peer sits round ``plan.round`` out although ``plan`` names it (it refuses the plan the others may
-        follow, or its weights differ from the plan's): at every peer that runs ``plan`` the parts it gives this
-        peer have no result and this peer contributes to no part, so they bar it from owning
-        (:meth:`note_failed_owners`) and mark it a no-show (:meth:`note_no_shows`). It takes the same marks on
-        itself, as a peer stalled through a round does (:meth:`note_own_failures` ``stalled``). Before, a peer
-        that refused a plan noted nothing on itself: at its first turn as leader, ``OWNER_PENALTY_ROUNDS`` rounds
-        later, it gave itself a part the others barred through that round, they refused its plan, their own parts
-        failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68, 73; one
-        peer trained 8 of rounds 63-74 alone). Marking itself where the others did not (nobody ran ``plan``) costs it
-        its parts and its turns as leader for those rounds only: their checks accept plans that give it less."""
-        me = self.state.me
-        if me is None or me not in plan.participants():
-            return
-        # the round as the others conclude it, this peer's view aside: its parts missing, it in no part's contributors
-        parts = plan.owners()
-        spec = SimpleNamespace(round=plan.round, owners=[SimpleNamespace(peer_id=pid) for pid, _, _ in parts])
-        missing = [j for j, (pid, _, _) in enumerate(parts) if pid == me]
-        self.note_own_failures(spec, plan, SimpleNamespace(missing_parts=missing, contributors={}), stalled=True)
 
     def _note_own_no_show(self, plan, ar, stalled: bool) -> None:
         """:meth:`note_own_failures`' no-show half."""
@@ -247,3 +243,14 @@ def _owner_of(spec, ar, j: int) -> str:
     leaders, :mod:`geomesh_p2p.exchange.groups`), a one-level round's the spec's."""
     owners = getattr(ar, "part_owners", None)
     return owners[j] if owners else spec.owners[j].peer_id
+
+
+class _SatOut:
+    """Round ``round`` as the peers that ran it conclude it when peer ``me`` sat it out (:meth:`Penalties.note_sat_out`;
+    both the spec and the result :meth:`Penalties.note_own_failures` reads): the parts it owned missing
+    (``part_owners[j]`` owns part ``j``), no contribution of it to any part."""
+
+    def __init__(self, round: int, part_owners: list[str], me: str):
+        self.round, self.part_owners = round, part_owners
+        self.missing_parts = [j for j, pid in enumerate(part_owners) if pid == me]
+        self.contributors: dict = {}
