@@ -284,13 +284,15 @@ class NodeRoundPolicy:
     def planned_out(self, r: int, plan) -> None:
         """This peer sits round ``r`` out (planned out, or refusing ``plan``): accountable mode reads the proofs in
         the DHT all the same (:meth:`Accountability.read_in_background`), and verified work applies its ended checks
-        and reads the swarm's evidence (:meth:`VerifiedWork.planned_out`), so its verdicts follow the swarm's. Where
-        ``plan`` names this peer, it takes on the marks the peers running ``plan`` give it
-        (:meth:`Penalties.note_sat_out`), so that its plans and checks agree with theirs."""
-        self.penalties.note_sat_out(plan)
+        and reads the swarm's evidence (:meth:`VerifiedWork.planned_out`), so its verdicts follow the swarm's."""
         self.verified.planned_out(r)
         if self.accountable is not None:
             self.accountable.read_in_background(r, plan)
+
+    def note_sat_out(self, plan) -> None:
+        """:meth:`Penalties.note_sat_out`: this peer sat out ``plan``, which names it, and the swarm's state moved
+        on through it (the driver calls it after the re-sync)."""
+        self.penalties.note_sat_out(plan)
 
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown

@@ -326,7 +326,11 @@ class RoundPolicy(Protocol):
 
     def planned_out(self, r: int, plan: RoundPlan) -> None:
         """This peer sits round ``r`` out (planned out or refusing ``plan``): what must go on regardless (accountable
-        mode's read of the proofs; the marks the others give it where ``plan`` names it; never raises)."""
+        mode's read of the proofs; never raises)."""
+
+    def note_sat_out(self, plan: RoundPlan) -> None:
+        """This peer sat out ``plan``, which names it, and the state it re-synced to differs from the plan's start
+        (the round aggregated a token): the others marked it, and it takes on the same marks."""
 
     def publish_record(self, record: RoundRecord) -> None:
         """The round's row to the log, Prometheus and the status page."""

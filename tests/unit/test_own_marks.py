@@ -52,7 +52,7 @@ def test_a_peer_that_sits_out_a_plan_naming_it_holds_the_marks_the_others_give_i
     for rules in ran:
         rules.after_exchange(spec, plan, ar)
     refuser = make_rules(me=REF, round=r)
-    refuser.planned_out(r, plan)  # refusing the plan the others followed: it sits the round out
+    refuser.note_sat_out(plan)  # it refused the plan the others followed, sat the round out, re-synced past it
 
     later = range(r + 1, r + OWNER_PENALTY_ROUNDS + 4)
     want = _views(ran[0], later)
@@ -78,10 +78,10 @@ def test_a_peer_that_sits_out_a_plan_naming_it_holds_the_marks_the_others_give_i
 def test_sitting_out_a_plan_that_names_another_peer_or_gives_this_one_no_part_marks_only_what_the_others_do():
     r = 10
     out = make_rules(me=REF, round=r)
-    out.planned_out(r, _plan(r, LEAD, owners=[LEAD], participants=[LEAD, THIRD]))  # left out by the leader
+    out.note_sat_out(_plan(r, LEAD, owners=[LEAD], participants=[LEAD, THIRD]))  # left out by the leader
     assert (out.penalties.owner, out.penalties.noshow) == ({}, {})
     client = make_rules(me=REF, round=r)
-    client.planned_out(r, _plan(r, LEAD, owners=[LEAD], participants=[LEAD, REF]))  # client-only, sat out
+    client.note_sat_out(_plan(r, LEAD, owners=[LEAD], participants=[LEAD, REF]))  # client-only, sat out
     assert (client.penalties.owner, client.penalties.noshow) == ({}, {REF: r + noshow_penalty_rounds(False)})
 
 
@@ -120,8 +120,8 @@ class _Round:
 def _marked_peer_class():
     """tests/unit/test_round_driver.py's FakePeer with the node's owner and no-show rules (:class:`Penalties`):
     leaders plan barred owners client-only and no-shows out, followers refuse plans that give a barred peer a part
-    or that a no-show leads, the exchange misses the parts of owners that pushed nothing, and sitting out goes
-    through :meth:`NodeRoundPolicy.planned_out`."""
+    or that a no-show leads, the exchange misses the parts of owners that pushed nothing, and the marks of a round
+    sat out are :meth:`NodeRoundPolicy.note_sat_out`'s."""
     from geomesh_p2p.round.policy import NodeRoundPolicy
     from geomesh_p2p.round.rules.planning import PlanRules
     from tests.unit.test_round_driver import FakePeer
@@ -162,12 +162,9 @@ def _marked_peer_class():
         def note_own_failures(self, spec, plan, ar, *, stalled=False):
             self.pen.note_own_failures(self._spec(plan), plan, ar, stalled=stalled)
 
-        def planned_out(self, r, plan):
-            super().planned_out(r, plan)
-            duck = SimpleNamespace(
-                penalties=self.pen, verified=SimpleNamespace(planned_out=lambda r: None), accountable=None
-            )
-            NodeRoundPolicy.planned_out(duck, r, plan)  # type: ignore[arg-type]
+        def note_sat_out(self, plan):
+            super().note_sat_out(plan)
+            NodeRoundPolicy.note_sat_out(SimpleNamespace(penalties=self.pen), plan)  # type: ignore[arg-type]
 
     return MarkedPeer
 
@@ -197,3 +194,34 @@ async def test_a_refused_plan_is_not_refused_again_every_owner_penalty_in_the_dr
     others = [p for p in peers if p.me != refuser]
     assert {row.round: row.peers for row in others[0].drv.history if row.round >= 4} == {4: 3, 5: 3, 6: 3, 7: 3}
     assert len({p.digest for p in peers}) == 1 and all(p.round == 8 for p in peers)
+
+
+async def test_a_peer_sitting_out_takes_on_marks_only_when_the_round_it_sat_out_moved_the_state():
+    """The driver's side (round/planning.py ``wait_out``): after the re-sync, a peer that sat out a plan naming it
+    takes on the others' marks (``policy.note_sat_out``) when the state moved past the plan's start; a round that
+    applied nothing (every part without a token: the others conclude nothing from it, penalties.conclusive) leaves
+    the start digest, and it takes on nothing. Before the rule looked at the state, two peers that both refused a
+    plan of a round nobody else completed each benched itself and deferred to the other as leader."""
+    from geomesh_p2p.round import leader_order
+    from tests.unit.test_round_driver import PEERS, _peers, _run_all
+    from tests.unit.test_round_driver import RUN as DRIVER_RUN
+
+    for nothing in (False, True):
+        peers = _peers(3, exchange_timeout_s=0.5)
+        order = leader_order(DRIVER_RUN, 0, [p.me for p in peers])
+        lagging = PEERS[order[1]]
+        base = lagging.plan_problem
+        lagging.plan_problem = lambda plan, live, base=base: (  # type: ignore[method-assign]
+            "it names peers that are not live: [test]"
+            if plan.round == 0 and plan.leader == order[0]
+            else base(plan, live)
+        )
+        for p in peers:
+            p.aggregate_nothing = (
+                nothing  # a zero aggregate: the outer step leaves the weights (and digest) as they were
+            )
+        with events.capture("planned_out") as out:
+            await _run_all(peers, rounds=2)
+        assert [(e["peer"], e["round"], e["reason"]) for e in out] == [(lagging.me, 0, "refused")]
+        assert getattr(lagging, "marked_sat_out", []) == ([] if nothing else [0])
+        assert all(not hasattr(p, "marked_sat_out") for p in peers if p is not lagging)
