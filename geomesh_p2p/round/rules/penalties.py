@@ -106,8 +106,8 @@ class Penalties:
         that refused a plan noted nothing on itself: at its first turn as leader, ``OWNER_PENALTY_ROUNDS`` rounds
         later, it gave itself a part the others barred through that round, they refused its plan, their own parts
         failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68, 73; one
-        peer trained 8 of rounds 63-74 alone). Marking itself where the others did not (nobody ran ``plan``) costs it
-        its parts and its turns as leader for those rounds only: their checks accept plans that give it less."""
+        peer trained 8 of rounds 63-74 alone). The driver calls it after its re-sync, when the state moved past
+        ``plan``'s start: a round that applied nothing concludes nothing at the others (:func:`conclusive`)."""
         me = self.state.me
         if me is None or me not in plan.participants():
             return
