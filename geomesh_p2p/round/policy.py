@@ -293,6 +293,11 @@ class NodeRoundPolicy:
         if self.accountable is not None:
             self.accountable.read_in_background(r, plan)
 
+    def note_sat_out(self, plan) -> None:
+        """:meth:`Penalties.note_sat_out`: this peer sat out ``plan``, which names it, and the swarm's state moved
+        on through it (the driver calls it after the re-sync)."""
+        self.penalties.note_sat_out(plan)
+
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
         (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,

@@ -328,5 +328,9 @@ class RoundPolicy(Protocol):
         """This peer sits round ``r`` out (planned out or refusing ``plan``): what must go on regardless (accountable
         mode's read of the proofs; never raises)."""
 
+    def note_sat_out(self, plan: RoundPlan) -> None:
+        """This peer sat out ``plan``, which names it, and the state it re-synced to differs from the plan's start
+        (the round aggregated a token): the others marked it, and it takes on the same marks."""
+
     def publish_record(self, record: RoundRecord) -> None:
         """The round's row to the log, Prometheus and the status page."""

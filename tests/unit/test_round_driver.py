@@ -295,6 +295,9 @@ class FakePeer:
     def planned_out(self, r, plan):
         self.sat_out = [*getattr(self, "sat_out", []), r]
 
+    def note_sat_out(self, plan):
+        self.marked_sat_out = [*getattr(self, "marked_sat_out", []), plan.round]
+
     def publish_record(self, rec):
         self.rows.append(rec)
 

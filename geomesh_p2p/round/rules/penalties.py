@@ -77,19 +77,26 @@ class Penalties:
         }
 
     def restore(self, meta) -> None:
-        """Take the penalties of :meth:`to_meta` (``--resume``); malformed entries are dropped (a checkpoint
-        is this peer's own file, but an edited one must not end the node)."""
+        """Take the penalties of :meth:`to_meta` (``--resume``; ``state.round`` is the checkpoint's round); malformed
+        entries are dropped (a checkpoint is this peer's own file, but an edited one must not end the node), and so
+        are marks on this peer itself that end later than the longest penalty would from that round."""
         if not isinstance(meta, dict):
             return
+        # This peer's marks on itself are the others' marks on it, which they restore too: dropped, it led plans
+        # they refused until those ended. Kept within the longest penalty from the checkpoint's round only (an
+        # edited file barred it for ever, silently: red team, session 13).
+        own_max = {"owner": OWNER_PENALTY_ROUNDS, "noshow": max(pb.noshow_penalty_rounds(x) for x in (False, True))}
         for kind in ("owner", "noshow"):
             got = meta.get(kind)
             if isinstance(got, dict):
-                # never this peer itself (an edited file barred it for ever, silently: red team, session 13),
                 # ids of PeerID length, and a bounded number (the penalties of one swarm)
                 ok = [
                     (p, r)
                     for p, r in got.items()
-                    if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and type(r) is int
+                    if isinstance(p, str)
+                    and 0 < len(p) <= MAX_ID_CHARS
+                    and type(r) is int
+                    and (p != self.state.me or r <= self.state.round + own_max[kind])
                 ]
                 getattr(self, kind).update(ok[:MAX_RESTORED])
         got = meta.get("late")
@@ -128,6 +135,23 @@ class Penalties:
     def barred(self) -> list[str]:
         """Peers under an owner penalty this round."""
         return [p for p, until in self.owner.items() if until >= self.state.round]
+
+    def note_sat_out(self, plan) -> None:
+        """This peer sits round ``plan.round`` out although ``plan`` names it (it refuses the plan the others may
+        follow, or its weights differ from the plan's): at every peer that runs ``plan`` the parts it gives this
+        peer have no result and this peer contributes to no part, so they bar it from owning
+        (:meth:`note_failed_owners`) and mark it a no-show (:meth:`note_no_shows`). It takes the same marks on
+        itself, as a peer stalled through a round does (:meth:`note_own_failures` ``stalled``). Before, a peer
+        that refused a plan noted nothing on itself: at its first turn as leader, ``OWNER_PENALTY_ROUNDS`` rounds
+        later, it gave itself a part the others barred through that round, they refused its plan, their own parts
+        failed, and the cycle fed itself every 5 rounds (fresh-user trial, session 49: rounds 58, 63, 68, 73; one
+        peer trained 8 of rounds 63-74 alone). The driver calls it after its re-sync, when the state moved past
+        ``plan``'s start: a round that applied nothing concludes nothing at the others (:func:`conclusive`)."""
+        me = self.state.me
+        if me is None or me not in plan.participants():
+            return
+        concluded = _SatOut(plan.round, [pid for pid, _, _ in plan.owners()], me)
+        self.note_own_failures(concluded, plan, concluded, stalled=True)
 
     def forget_marks_since(self, round: int) -> list[str]:
         """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
@@ -316,3 +340,14 @@ def _owner_of(spec, ar, j: int) -> str:
     leaders, :mod:`geomesh_p2p.exchange.groups`), a one-level round's the spec's."""
     owners = getattr(ar, "part_owners", None)
     return owners[j] if owners else spec.owners[j].peer_id
+
+
+class _SatOut:
+    """Round ``round`` as the peers that ran it conclude it when peer ``me`` sat it out (:meth:`Penalties.note_sat_out`;
+    both the spec and the result :meth:`Penalties.note_own_failures` reads): the parts it owned missing
+    (``part_owners[j]`` owns part ``j``), no contribution of it to any part."""
+
+    def __init__(self, round: int, part_owners: list[str], me: str):
+        self.round, self.part_owners = round, part_owners
+        self.missing_parts = [j for j, pid in enumerate(part_owners) if pid == me]
+        self.contributors: dict = {}
