@@ -296,7 +296,7 @@ class NodeRoundPolicy:
     def note_sat_out(self, plan) -> None:
         """:meth:`Penalties.note_sat_out`: this peer sat out ``plan``, which names it, and the swarm's state moved
         on through it (the driver calls it after the re-sync)."""
-        self.penalties.note_sat_out(plan)
+        self.penalties.note_sat_out(plan, delivered_before=self.planning.delivered_evidence(plan.round))
 
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown

@@ -164,7 +164,8 @@ def _marked_peer_class():
 
         def note_sat_out(self, plan):
             super().note_sat_out(plan)
-            NodeRoundPolicy.note_sat_out(SimpleNamespace(penalties=self.pen), plan)  # type: ignore[arg-type]
+            duck = SimpleNamespace(penalties=self.pen, planning=SimpleNamespace(delivered_evidence=lambda r: None))
+            NodeRoundPolicy.note_sat_out(duck, plan)  # type: ignore[arg-type]
 
     return MarkedPeer
 
@@ -225,3 +226,36 @@ async def test_a_peer_sitting_out_takes_on_marks_only_when_the_round_it_sat_out_
         assert [(e["peer"], e["round"], e["reason"]) for e in out] == [(lagging.me, 0, "refused")]
         assert getattr(lagging, "marked_sat_out", []) == ([] if nothing else [0])
         assert all(not hasattr(p, "marked_sat_out") for p in peers if p is not lagging)
+
+
+def test_a_graced_late_peer_that_sat_out_holds_the_late_mark_the_others_give_it_not_a_bench():
+    """With the late-peer rule (session 49, helper-late49): the others grace an established peer that delivered the
+    round before (a late mark, no bench). A peer that sat the plan out and benched itself instead would refuse
+    their plans naming it; given the same evidence it takes the same mark."""
+    r = 20
+    plan = _plan(r, LEAD, owners=[LEAD, THIRD], participants=[LEAD, REF, THIRD])
+    ar = SimpleNamespace(missing_parts=[], contributors={0: [(LEAD, 4096)], 1: [(THIRD, 2048)]})
+    before = {LEAD: 100.0, REF: 50.0, THIRD: 80.0}  # every one delivered in round r - 1
+    other = Penalties(RoundState(me=LEAD, round=r))
+    other.note_no_shows(plan, ar, delivered_before=before)
+    sat = Penalties(RoundState(me=REF, round=r))
+    sat.note_sat_out(plan, delivered_before=before)
+    assert (other.noshows(), sat.noshows()) == ({}, {})
+    assert set(other.late_marks()) == set(sat.late_marks()) == {REF}
+    assert other.late_marks()[REF][0] == sat.late_marks()[REF][0]
+    # without the evidence (as before the fix) the sitter benched itself while the others planned it
+    alone = Penalties(RoundState(me=REF, round=r))
+    alone.note_sat_out(plan)
+    assert alone.noshows() == {REF: r + noshow_penalty_rounds(False)}
+
+
+def test_a_restart_keeps_this_peers_own_late_mark_within_its_longest_span():
+    r = 30
+    live = Penalties(RoundState(me=REF, round=r))
+    live.late = {REF: (r + 8, 12.5), LEAD: (r + 3, 40.0)}
+    back = Penalties(RoundState(me=REF, round=r))
+    back.restore(json.loads(json.dumps(live.to_meta())))
+    assert back.late == {REF: (r + 8, 12.5), LEAD: (r + 3, 40.0)}
+    far = Penalties(RoundState(me=REF, round=r))
+    far.restore({"late": {REF: [r + 10**6, 1.0]}})  # an edited file cannot bar it from leading for ever
+    assert far.late == {}

@@ -104,8 +104,11 @@ class Penalties:
             marks = [
                 (p, m)
                 for p, m in got.items()
-                if isinstance(p, str) and 0 < len(p) <= MAX_ID_CHARS and p != self.state.me and _mark_ok(m)
-            ]  # never this peer itself, as above (its own marks come back with the rounds it re-applies)
+                if isinstance(p, str)
+                and 0 < len(p) <= MAX_ID_CHARS
+                and _mark_ok(m)
+                and (p != self.state.me or m[0] <= self.state.round + own_max["noshow"] + pb.LATE_MARK_ROUNDS)
+            ]  # this peer's own mark as its bench and owner marks above: the others restore theirs on it
             self.late.update((p, (int(m[0]), float(m[1]))) for p, m in marks[:MAX_RESTORED])
 
     def noshows(self) -> dict[str, int]:
@@ -136,7 +139,7 @@ class Penalties:
         """Peers under an owner penalty this round."""
         return [p for p, until in self.owner.items() if until >= self.state.round]
 
-    def note_sat_out(self, plan) -> None:
+    def note_sat_out(self, plan, delivered_before: Optional[Collection[str]] = None) -> None:
         """This peer sits round ``plan.round`` out although ``plan`` names it (it refuses the plan the others may
         follow, or its weights differ from the plan's): at every peer that runs ``plan`` the parts it gives this
         peer have no result and this peer contributes to no part, so they bar it from owning
@@ -151,7 +154,8 @@ class Penalties:
         if me is None or me not in plan.participants():
             return
         concluded = _SatOut(plan.round, [pid for pid, _, _ in plan.owners()], me)
-        self.note_own_failures(concluded, plan, concluded, stalled=True)
+        # delivered_before: the others grace a late peer that delivered the round before; so must it (session 49)
+        self.note_own_failures(concluded, plan, concluded, stalled=True, delivered_before=delivered_before)
 
     def forget_marks_since(self, round: int) -> list[str]:
         """Drop the owner and no-show penalties this peer noted in round ``round`` or later (the driver calls it
