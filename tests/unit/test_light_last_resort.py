@@ -9,15 +9,13 @@ the whole plan agreement out while c0 trains round 1 without it (a planned proba
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from geomesh_p2p.plan.agree import PlanRefused, leader_order
-from geomesh_p2p.plan.awb import plan_round
 from geomesh_p2p.round import DhtPlanAgreement, PlanStore
 from geomesh_p2p.telemetry import events
-from tests.unit.test_round_driver import CFG, NUMEL, RUN, FakePeer, _peers
+from tests.unit.test_round_driver import RUN, FakePeer, _peers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,19 +31,6 @@ class Newcomers(FakePeer):
 
     def leader_candidates(self, members, live):
         return list(members), [m.peer_id for m in members if m.peer_id not in self.PROBATION]
-
-    def make_plan(self, members, leader):
-        return plan_round(
-            members,
-            CFG,
-            run_id=RUN,
-            round=self.round,
-            leader=leader,
-            numel=NUMEL,
-            start_time=time.time() + 0.05,
-            start_digest=self.digest,
-            probation=self.PROBATION,
-        )
 
 
 async def test_a_light_follower_hands_the_last_leaders_last_resort_plan_to_the_full_path_and_trains_in_it():

@@ -114,6 +114,13 @@ async def test_at_two_of_seven_rogue_references_do_not_put_a_newcomer_in_doubt()
         assert held is not None and held.plan is not None and held.plan.to_bytes() == real.to_bytes()
 
 
+def _newcomer_of_four():
+    """Identities L, H (honest), R, S (rogues) and the newcomer N, a DHT, N's exact plan read and N's four voters."""
+    ident, pid = _peers("LHRSN")
+    dht = MemoryDHT()
+    return ident, pid, dht, PlanStore(dht.view(), ident["N"], RUN).read_exact, [pid[k] for k in "LHRS"]
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="open (red team 48): references are counted among the voters that name one, and a peer in doubt sits out "
@@ -122,10 +129,7 @@ async def test_at_two_of_seven_rogue_references_do_not_put_a_newcomer_in_doubt()
     "every round, while the rogues keep naming",
 )
 async def test_two_rogue_voters_keep_a_newcomer_in_doubt_round_after_round():
-    ident, pid = _peers("LHRSN")
-    dht = MemoryDHT()
-    read = PlanStore(dht.view(), ident["N"], RUN).read_exact
-    voters = [pid[k] for k in "LHRS"]
+    ident, pid, dht, read, voters = _newcomer_of_four()
     taken = []
     for r in (3, 4, 5):  # each round: the honest peers name the plan they followed, the rogues a forged one
         leader = "L" if r % 2 else "H"
@@ -147,10 +151,7 @@ async def test_two_rogue_voters_keep_a_newcomer_in_doubt_round_after_round():
     "its real plan leaves the honest references unreadable, and its colluders' shadow would be taken (47b's fork)",
 )
 async def test_two_rogue_voters_naming_readable_shadows_of_their_own_keep_a_newcomer_in_doubt():
-    ident, pid = _peers("LHRSN")
-    dht = MemoryDHT()
-    read = PlanStore(dht.view(), ident["N"], RUN).read_exact
-    voters = [pid[k] for k in "LHRS"]
+    ident, pid, dht, read, voters = _newcomer_of_four()
     real = _plan(ident, pid, "L", "LHRS")
     assert await PlanStore(dht.view(), ident["L"], RUN).publish(real)
     refs = {"L": plan_ref(real), "H": plan_ref(real)}

@@ -87,6 +87,9 @@ class FakeClock:
 class FakePeer:
     """Every port of one peer: membership, global state, trainer, collective and policy."""
 
+    #: peers every fake plans on probation (a subclass names them)
+    PROBATION: frozenset = frozenset()
+
     def __init__(self, swarm: Swarm, ident: Identity, *, exchange_timeout_s: float = 2.0):
         self.swarm, self.ident, self.me = swarm, ident, str(ident.peer_id)
         self.round, self.syncing, self.leaving = 0, False, False
@@ -232,6 +235,7 @@ class FakePeer:
             numel=NUMEL,
             start_time=time.time() + 0.05,
             start_digest=self.digest,
+            probation=self.PROBATION,
         )
 
     def plan_problem(self, plan, live):

@@ -89,27 +89,28 @@ class Penalties:
         for kind in ("owner", "noshow"):
             got = meta.get(kind)
             if isinstance(got, dict):
-                # ids of PeerID length, and a bounded number (the penalties of one swarm)
-                ok = [
-                    (p, r)
-                    for p, r in got.items()
-                    if isinstance(p, str)
-                    and 0 < len(p) <= MAX_ID_CHARS
-                    and type(r) is int
-                    and (p != self.state.me or r <= self.state.round + own_max[kind])
-                ]
-                getattr(self, kind).update(ok[:MAX_RESTORED])
+                ok = self._restorable(got, lambda r: type(r) is int, lambda r: r, own_max[kind])
+                getattr(self, kind).update(ok)
         got = meta.get("late")
         if isinstance(got, dict):
-            marks = [
-                (p, m)
-                for p, m in got.items()
-                if isinstance(p, str)
-                and 0 < len(p) <= MAX_ID_CHARS
-                and _mark_ok(m)
-                and (p != self.state.me or m[0] <= self.state.round + own_max["noshow"] + pb.LATE_MARK_ROUNDS)
-            ]  # this peer's own mark as its bench and owner marks above: the others restore theirs on it
-            self.late.update((p, (int(m[0]), float(m[1]))) for p, m in marks[:MAX_RESTORED])
+            # this peer's own mark as its bench and owner marks above: the others restore theirs on it
+            marks = self._restorable(got, _mark_ok, lambda m: m[0], own_max["noshow"] + pb.LATE_MARK_ROUNDS)
+            self.late.update((p, (int(m[0]), float(m[1]))) for p, m in marks)
+
+    def _restorable(self, got: dict, valid, until_of, own_span: int) -> list:
+        """The ``(peer id, value)`` items of a restored penalty map ``got`` that may be taken: ids of PeerID length,
+        ``valid(value)``, this peer's own only while ``until_of(value)`` (its last round) is at most ``own_span``
+        rounds past the checkpoint's round; at most ``MAX_RESTORED`` of them (the penalties of one swarm)."""
+        me, r = self.state.me, self.state.round
+        ok = [
+            (p, v)
+            for p, v in got.items()
+            if isinstance(p, str)
+            and 0 < len(p) <= MAX_ID_CHARS
+            and valid(v)
+            and (p != me or until_of(v) <= r + own_span)
+        ]
+        return ok[:MAX_RESTORED]
 
     def noshows(self) -> dict[str, int]:
         """Peers under a no-show penalty this round (peer id -> last round of it); expired ones dropped."""
