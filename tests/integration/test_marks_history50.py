@@ -78,8 +78,14 @@ def test_the_driver_hooks_note_what_this_peer_saw():
     stalled = plan.model_copy(update={"round": R + 2})
     node.note_own_failures(SimpleNamespace(round=R + 2, owners=[]), stalled, _ar(stalled, set()), stalled=True)
     assert node.penalties.own_known == (0, R + 2)
-    assert node.forget_marks_since(R) == []
+    assert node.forget_marks_since(R) == []  # it applied round R, and the swarm did not confirm its state since
     assert (node.penalties.applied, node.penalties.own_known) == ((0, R - 1), (0, R - 1))
+    # planned out of round R + 5, then re-synced to a state it did not make (the driver's forget_blame): the own
+    # marks of that round are known, as nobody marked it; only applied rounds of the dropped lineage go
+    node.penalties.applied = node.penalties.own_known = (0, R + 4)
+    node.planned_out(R + 5, plan.model_copy(update={"round": R + 5}))
+    assert node.forget_marks_since(R + 5) == []
+    assert (node.penalties.applied, node.penalties.own_known) == ((0, R + 4), (0, R + 5))
 
 
 def test_the_runs_survive_a_checkpoint_and_an_older_one_counts_as_whole():

@@ -255,8 +255,14 @@ class Penalties:
         for kind, pid in gone:
             pens[kind].pop(pid, None)
             del noted[(kind, pid)]
-        # the swarm's rounds from ``round`` on are not the ones this peer applied: their marks are unknown here
-        self.applied, self.own_known = (_cut(run, round) for run in (self.applied, self.own_known))
+        # the swarm's rounds from ``round`` on are not the ones this peer applied: their marks are unknown here. Its own
+        # marks of rounds it only saw the plan of (planned out, sat out: the driver notes them before this re-sync) or
+        # was stalled through stay known, as the marks themselves stay (a cut there cost 18 rounds of no leading
+        # after every planned-out round: the e2e killed-peer run's re-sync)
+        run = self.applied
+        if run is not None and run[1] >= round:
+            self.own_known = _cut(self.own_known, max(round, run[0]))
+        self.applied = _cut(run, round)
         return sorted({pid for _, pid in gone})
 
     def note_own_failures(
