@@ -159,3 +159,22 @@ def test_one_line_says_why_this_peer_leads_nothing(caplog):
     ]
     alone = _node(recs[:1], ids[0], marks_from=None)  # the only candidate it sees: it leads (the last resort's case)
     assert alone.leader_candidates(recs[:1], {ids[0]: recs[0]})[1] == [ids[0]]
+
+
+def test_a_peer_killed_mid_round_and_resumed_behind_the_swarm_does_not_lead_on_its_checkpoint():
+    """Killed in round 40 (its checkpoint: round 40's start, every round before applied), resumed when the swarm was
+    at round 42: the others marked it in round 40 (a no-show), and it cannot know. Before it led as soon as its turn
+    came, with no mark of itself; now it is no candidate of its own until it knows its marks of 18 rounds again."""
+    before = _pen(40)
+    before.held_since(0)
+    resumed = _pen(40)
+    resumed.restore(json.loads(json.dumps(before.to_meta())))
+    assert resumed.lead_gap(40) is None  # resumed where the swarm is: it goes on as before its stop
+    resumed.state.round = 42  # the swarm was ahead: caught up by download
+    resumed.note_applied(42)
+    assert resumed.lead_gap(43) == (
+        "it knows the marks the others took on it in rounds 42-42 only, not in each of rounds 25-42"
+    )
+    for m in range(43, 42 + MARK_SPAN_ROUNDS):
+        resumed.note_applied(m)
+    assert resumed.lead_gap(42 + MARK_SPAN_ROUNDS) is None
