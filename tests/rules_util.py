@@ -38,9 +38,11 @@ def make_rules(
     ema: Any = None,
     codec_s_per_element: Optional[float] = None,
     verifier: Any = None,
+    marks_from: Optional[int] = 0,
 ) -> NodeRoundPolicy:
     """The round rules of a peer ``me`` at ``round`` holding ``digest`` (a model of ``numel`` parameters);
-    ``run_cfg`` / ``cfg`` default to ``RunConfig()`` / ``NodeConfig()``."""
+    ``run_cfg`` / ``cfg`` default to ``RunConfig()`` / ``NodeConfig()``. ``marks_from``: it applied every round from
+    that one to ``round - 1`` (:meth:`Penalties.held_since`; None: none, a peer that joined or restarted fresh)."""
     run_cfg = run_cfg if run_cfg is not None else RunConfig()
     cfg = cfg if cfg is not None else NodeConfig()
     state = RoundState(
@@ -52,6 +54,8 @@ def make_rules(
         history=history if history is not None else [],
     )
     penalties = Penalties(state, owner_penalty, noshow_penalty)
+    if marks_from is not None:
+        penalties.held_since(marks_from)
     profile = Reprofiler(cfg, state, ema=ema, codec_s_per_element=codec_s_per_element)
     sync = StateSync(run_cfg, state, asyncio.Event(), peers=_no_peers)
     return NodeRoundPolicy(

@@ -65,6 +65,18 @@ def late_ceiling(planned_tokens_per_s: float, held: Optional[float] = None) -> f
     return c if held is None else min(c, float(held))
 
 
+class LateCeilings(dict):
+    """A follower's late ceilings (peer id -> tokens/s, as the plain map of :func:`evidence_ceilings`' ``late``) and
+    ``blind``: the peers whose late ceiling this follower cannot bound from below, as it did not apply every round a
+    mark on them could come from (joined, restarted, re-synced or planned out since: session 50,
+    :meth:`~geomesh_p2p.round.rules.penalties.Penalties.follower_late`). :func:`evidence_ceiling_range` gives them a
+    low end of 0 (no under-plan fit, as for an unseen rate); the high end and every leader's own ceilings stay."""
+
+    def __init__(self, ceilings: Optional[Mapping[str, float]] = None, blind: Iterable[str] = ()):
+        super().__init__(ceilings or {})
+        self.blind: frozenset[str] = frozenset(blind)
+
+
 def evidence_ceilings(
     peer_ids: Iterable[str],
     supported: Optional[Mapping[str, float]],
@@ -122,7 +134,8 @@ def evidence_ceiling_range(
 
     ``late`` (:func:`evidence_ceilings`): this follower's late ceilings lower the range's low end to them (an honest
     leader holding the same marks plans the peer there); the high end stays, as a leader that did not apply the
-    round of the miss holds no mark (its no-show rules bench such a peer anyway)."""
+    round of the miss holds no mark (its no-show rules bench such a peer anyway). The ``blind`` peers of a
+    :class:`LateCeilings` get a low end of 0."""
     known = usable_rates(supported)
     rates = sorted(known.values())
     if not rates:
@@ -140,7 +153,8 @@ def evidence_ceiling_range(
         else ((0.0, max(hi, EVIDENCE_GROWTH * missed[p])) if p in missed else (lo, hi))
         for p, c in own.items()
     }
-    return {p: (min(low, caps[p]), high) if p in caps else (low, high) for p, (low, high) in out.items()}
+    blind: frozenset[str] = getattr(late, "blind", frozenset())
+    return {p: (0.0 if p in blind else min(low, caps[p]) if p in caps else low, high) for p, (low, high) in out.items()}
 
 
 #: no token budget exceeds this many times the plan's lower-median budget (unless it is a single

@@ -79,6 +79,7 @@ class NodeRoundPolicy:
         self._publish = publish
         self._max_message_bytes = max_message_bytes
         self.accountable = accountable
+        self._lead_gap_said: Optional[str] = None  # the last lead_gap said (one INFO line a gap)
         if accountable is not None:
             accountable.undo_on = self.undo_on
 
@@ -144,7 +145,9 @@ class NodeRoundPolicy:
         up, planned out) and another candidate remains: the followers that applied that round check budgets against
         what each participant delivered in it, and its plan, made from the records alone, broke that check (fresh-user
         trial, session 29: a peer resumed with ``--resume`` led at once, planned itself 79 steps, both others refused
-        the plan and the round was lost for all three). If every member does so, the last resort publishes
+        the plan and the round was lost for all three). Likewise while it does not hold the marks its plan must agree
+        with (:meth:`Penalties.lead_gap`: joined, restarted without ``--resume``, re-synced or planned out within their
+        span; session 50). If every member does so, the last resort publishes
         (:func:`geomesh_p2p.round.planning.last_resort`)."""
         members = self.verified.members(members)
         cands = pb.leader_candidates(
@@ -153,12 +156,16 @@ class NodeRoundPolicy:
             barred=self.penalties.unled(),
         )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
-        if (
-            me in cands
-            and len(cands) > 1
-            and r > 0
-            and MethodRule.from_run(self.planning.run_cfg).balanced
-            and self.planning.delivered_evidence(r) is None
+        if me not in cands or len(cands) < 2 or r <= 0:
+            return members, cands
+        gap = self.penalties.lead_gap(r)
+        if gap is not None and gap != self._lead_gap_said:  # once a gap (its text names where it starts)
+            log.info(
+                "round %d: this peer is no leader candidate: %s (its plan could break a mark the others hold)", r, gap
+            )
+        self._lead_gap_said = gap
+        if gap is not None or (
+            MethodRule.from_run(self.planning.run_cfg).balanced and self.planning.delivered_evidence(r) is None
         ):
             cands = [c for c in cands if c != me]
         return members, cands
@@ -247,6 +254,7 @@ class NodeRoundPolicy:
             )
         # who delivered in the round before (the graced no-shows' condition): every peer that applied it holds it
         before = self.planning.delivered_evidence(plan.round)
+        self.penalties.note_applied(plan.round)  # the marks of this round are held here (session 50)
         self.penalties.note_own_failures(spec, plan, ar, delivered_before=before)
         self.penalties.note_failed_owners(spec, ar)
         self.penalties.note_no_shows(plan, ar, delivered_before=before)
@@ -257,6 +265,8 @@ class NodeRoundPolicy:
         self.penalties.note_own_failures(
             spec, plan, ar, stalled=stalled, delivered_before=self.planning.delivered_evidence(plan.round)
         )
+        if stalled:  # its own failures are known; the others' marks of that round are not (no part result read)
+            self.penalties.note_own_known(plan.round)
 
     def forget_marks_since(self, round: int) -> list[str]:
         """:meth:`Penalties.forget_marks_since` and the standing credits of the same rounds
@@ -290,6 +300,8 @@ class NodeRoundPolicy:
         the DHT all the same (:meth:`Accountability.read_in_background`), and verified work applies its ended checks
         and reads the swarm's evidence (:meth:`VerifiedWork.planned_out`), so its verdicts follow the swarm's."""
         self.verified.planned_out(r)
+        # it saw the plan: not named, nobody marks it; named, it takes the marks itself (note_sat_out)
+        self.penalties.note_own_known(r)
         if self.accountable is not None:
             self.accountable.read_in_background(r, plan)
 

@@ -39,13 +39,16 @@ def _records(n: int = 4) -> list[PeerRecord]:
     ]
 
 
-def _node(recs: list[PeerRecord], me: str) -> NodeRoundPolicy:
+def _node(recs: list[PeerRecord], me: str, marks_from: int | None = 0) -> NodeRoundPolicy:
     """Peer ``me``'s round rules at round ``R``: it credited every peer in rounds 0..R-1 and holds the rates their
-    round R-1 deliveries support (every peer delivered at its record's rate)."""
+    round R-1 deliveries support (every peer delivered at its record's rate); it applied rounds ``marks_from``..R-1
+    (None: none, a peer that joined or restarted without ``--resume``)."""
     standing = Standing()
     for r in range(R):
         standing.credit(r, [x.peer_id for x in recs])
-    node = make_rules(RUN, NodeConfig(), me=me, round=R, digest="d", numel=200_000, standing=standing)
+    node = make_rules(
+        RUN, NodeConfig(), me=me, round=R, digest="d", numel=200_000, standing=standing, marks_from=marks_from
+    )
     node.profile.supported_tps = (R - 1, {x.peer_id: 1000.0 for x in recs})
     return node
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from geomesh_p2p.round.rules import OWNER_PENALTY_ROUNDS, Penalties, RoundState
-from geomesh_p2p.trust.probation import noshow_penalty_rounds
+from geomesh_p2p.trust.probation import LATE_MARK_ROUNDS, noshow_penalty_rounds
 from geomesh_p2p.telemetry import events
 from tests.rules_util import make_rules
 
@@ -66,8 +66,15 @@ def test_a_peer_that_sits_out_a_plan_naming_it_holds_the_marks_the_others_give_i
     # round 63: the refuser plans itself client-only, and the others' check refuses a plan that does not
     for rules in (*ran, refuser):
         rules.state.round = r + OWNER_PENALTY_ROUNDS
-    own = _plan(r + OWNER_PENALTY_ROUNDS, REF, owners=[REF, LEAD], participants=[LEAD, REF, THIRD])
-    assert "whose part had no valid result" in (ran[0].planning._penalty_problem(own) or "")
+    own = _plan(r + OWNER_PENALTY_ROUNDS, THIRD, owners=[REF, LEAD], participants=[LEAD, REF, THIRD])
+    assert (ran[0].planning._penalty_problem(own) or "").endswith("whose part had no valid result in a recent round")
+    # its own plan is refused for its late mark first (session 50), which it holds too: no candidate of its own
+    own = _plan(r + OWNER_PENALTY_ROUNDS, REF, owners=[LEAD], participants=[LEAD, REF, THIRD])
+    assert ran[0].planning._penalty_problem(own) == (
+        f"its leader {REF[:10]} is marked late (it contributed to no part of a recent round; no leader until round "
+        f"{r + noshow_penalty_rounds(False) + LATE_MARK_ROUNDS + 1})"
+    )
+    assert REF in refuser.penalties.unled() and REF in ran[0].penalties.unled()
     members = [SimpleNamespace(peer_id=p, address=f"127.0.0.1:{i}", model_copy=None) for i, p in enumerate((LEAD, REF))]
     for m in members:
         m.model_copy = (lambda m: lambda update: SimpleNamespace(peer_id=m.peer_id, **update))(m)
@@ -139,8 +146,8 @@ def _marked_peer_class():
             return super().plan_problem(plan, live) or PlanRules._penalty_problem(duck, plan)
 
         def leader_candidates(self, members, live):
-            noshows = self.pen.noshows()
-            return list(members), [m.peer_id for m in members if m.peer_id not in noshows]
+            unled = self.pen.unled()  # no-shows and late marks, as the node's (Penalties.unled)
+            return list(members), [m.peer_id for m in members if m.peer_id not in unled]
 
         async def all_reduce(self, spec, delta, tokens, compute_end=None, *, in_place=False):
             ar = await super().all_reduce(spec, delta, tokens, compute_end, in_place=in_place)

@@ -15,19 +15,24 @@ import logging
 import math
 from typing import Collection, Optional
 
-from geomesh_p2p.plan.bounds import late_ceiling
+from geomesh_p2p.plan.bounds import LateCeilings, late_ceiling, usable_rates
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.trust import probation as pb
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
 log = logging.getLogger("geomesh_p2p.node.peer.round")
 
-__all__ = ["Penalties", "OWNER_PENALTY_ROUNDS", "conclusive"]
+__all__ = ["Penalties", "OWNER_PENALTY_ROUNDS", "MARK_SPAN_ROUNDS", "conclusive"]
 
 #: Rounds during which a peer owns no part after a part it owned had no valid result (owner gone, or a
 #: result every reader refused, e.g. below the quorum). All honest peers saw the same missing part, so
 #: honest leaders agree; the peer still contributes, it only stops deciding a range.
 OWNER_PENALTY_ROUNDS = 5
+
+#: Rounds back a mark can reach: one taken from round m's results is in force up to round m + this (the longest bench,
+#: a probation no-show's, then ``LATE_MARK_ROUNDS`` of late mark; an owner penalty is shorter). A peer holds every mark
+#: of round r only when it applied every one of the rounds r - MARK_SPAN_ROUNDS .. r - 1 (:meth:`Penalties.holds`).
+MARK_SPAN_ROUNDS = max(OWNER_PENALTY_ROUNDS, pb.PROBATION_NOSHOW_PENALTY_ROUNDS + pb.LATE_MARK_ROUNDS)
 
 #: Restored from a checkpoint: at most this many penalties of each kind, of ids at most this long (a base58
 #: PeerID is ~44-46 characters)
@@ -57,6 +62,11 @@ class Penalties:
 
     Attributes:
         late: peer id -> (last round of its late mark, its tokens/s ceiling meanwhile: :meth:`late_ceilings`).
+        applied: (first, last) round of the unbroken run of rounds whose part results this peer applied
+            (:meth:`note_applied`): it holds every mark those rounds gave, on anyone; None: none yet (a peer that
+            joined, or restarted without ``--resume``, at a round past 0).
+        own_known: (first, last) round of the unbroken run of rounds in which this peer knows the marks the others
+            took on it (:meth:`note_own_known`: the rounds it applied, and those it saw the plan of and sat out).
     """
 
     def __init__(self, state: RoundState, owner: dict[str, int] | None = None, noshow: dict[str, int] | None = None):
@@ -66,6 +76,72 @@ class Penalties:
         self.late: dict[str, tuple[int, float]] = {}
         #: (penalty kind "owner" | "noshow" | "late", peer id) -> the round in which this peer noted that penalty
         self.noted: dict[tuple[str, str], int] = {}
+        self.applied: Optional[tuple[int, int]] = None
+        self.own_known: Optional[tuple[int, int]] = None
+
+    def held_since(self, first: int) -> None:
+        """Declare that this peer applied every round from ``first`` to the one before ``state.round`` (a test's
+        rules built at a round; ``--resume`` of a checkpoint written before session 50: :meth:`restore`)."""
+        last = self.state.round - 1
+        self.applied = self.own_known = (first, last) if 0 <= first <= last else None
+
+    def note_applied(self, round: int) -> None:
+        """This peer applied round ``round``'s part results (``after_exchange``, conclusive or not): it took every
+        mark they give, on anyone. A round not noted (planned out, sat out, stalled, before it joined) breaks the
+        run: the marks the others took then are unknown here."""
+        self.applied = _extended(self.applied, round)
+        self.note_own_known(round)
+
+    def note_own_known(self, round: int) -> None:
+        """This peer knows what the others marked on it in round ``round``: it applied it, or saw its plan and sat
+        it out (not named: no mark; named: :meth:`note_sat_out`), or was stalled through it (its failures)."""
+        self.own_known = _extended(self.own_known, round)
+
+    def holds(self, round: int, span: int = MARK_SPAN_ROUNDS, own: bool = False) -> bool:
+        """Whether this peer holds, at ``round``, every mark taken in the ``span`` rounds before it (``own``: those on
+        itself only): it applied (``own``: knows its own marks of) each of rounds ``round - span`` .. ``round - 1``
+        (none before round 0). Marks older than ``MARK_SPAN_ROUNDS`` have ended everywhere."""
+        run = self.own_known if own else self.applied
+        if round <= 0:
+            return True
+        return run is not None and run[0] <= max(0, round - span) and run[1] >= round - 1
+
+    def lead_gap(self, round: int) -> Optional[str]:
+        """Why this peer must not lead ``round`` from the marks it holds (None: it may): it does not know the marks
+        the others may hold on it (up to ``MARK_SPAN_ROUNDS`` back: they refuse a benched or late-marked leader's
+        plan), or every owner penalty on the others (``OWNER_PENALTY_ROUNDS`` back: they refuse a part given to a
+        barred owner). Other marks it lacks change only whom it plans how much, which followers accept (session 50:
+        k2, restarted without its history, led round 7 of the e2e killed-peer run and followed its own plan)."""
+        if not self.holds(round, own=True):
+            return (
+                f"it knows the marks the others took on it in {_span(self.own_known)}, not in each of "
+                f"rounds {max(0, round - MARK_SPAN_ROUNDS)}-{round - 1}"
+            )
+        if not self.holds(round, OWNER_PENALTY_ROUNDS):
+            return (
+                f"it applied {_span(self.applied)}, not each of rounds "
+                f"{max(0, round - OWNER_PENALTY_ROUNDS)}-{round - 1} (owner penalties)"
+            )
+        return None
+
+    def follower_late(self, round: int, participants, supported) -> dict[str, float]:
+        """The late ceilings this peer checks a plan of ``round`` with (``late`` of
+        :func:`~geomesh_p2p.plan.planner.check_plan`): :meth:`late_ceilings` when it :meth:`holds` every mark that
+        can be in force. Else (session 50: joined, restarted, re-synced or planned out within ``MARK_SPAN_ROUNDS``)
+        a :class:`~geomesh_p2p.plan.bounds.LateCeilings` that no honest leader's plan falls under: a participant with
+        a delivered rate ``d`` of round ``round - 1`` (``supported``) at ``min(d, its ceiling held)``, the others
+        ``blind`` (no low end). Why ``d``: a leader holding the marks plans it at ``min(EVIDENCE_GROWTH x d, its
+        ceiling)``; its ceiling is no lower than the rate round ``round - 1``'s plan gave it (a mark ceilings at the
+        plan of its miss, and a miss since would have left it out of ``supported``), which is at least ``d``. A peer
+        back from a bench or new has no ``d``, and its ceiling may be any; the high end is untouched, so such a
+        follower never accepts more work for anyone."""
+        marks = self.late_ceilings()
+        if self.holds(round):
+            return marks
+        rates = usable_rates(supported)
+        caps = {p: c for p, c in marks.items() if c > 0}
+        caps.update({p: min(d, caps.get(p, d)) for p, d in rates.items()})
+        return LateCeilings(caps, [p for p in participants if p not in rates])
 
     def to_meta(self) -> dict:
         """The penalties as JSON-able data for the checkpoint's meta: ``{"owner": {peer id: last round},
@@ -74,6 +150,9 @@ class Penalties:
             "owner": dict(self.owner),
             "noshow": dict(self.noshow),
             "late": {p: list(m) for p, m in self.late.items()},
+            # the rounds whose marks it holds (session 50): a resumed peer leads and checks plans as before its stop
+            "applied": list(self.applied) if self.applied else None,
+            "own_known": list(self.own_known) if self.own_known else None,
         }
 
     def restore(self, meta) -> None:
@@ -94,8 +173,13 @@ class Penalties:
         got = meta.get("late")
         if isinstance(got, dict):
             # this peer's own mark as its bench and owner marks above: the others restore theirs on it
-            marks = self._restorable(got, _mark_ok, lambda m: m[0], own_max["noshow"] + pb.LATE_MARK_ROUNDS)
+            marks = self._restorable(got, _mark_ok, lambda m: m[0], MARK_SPAN_ROUNDS)
             self.late.update((p, (int(m[0]), float(m[1]))) for p, m in marks)
+        if "applied" not in meta:  # written before session 50: it held every mark then, as far as it can tell
+            self.held_since(0)
+            return
+        # the runs end at the checkpoint's round at the latest (an edited file cannot make a round it never saw its own)
+        self.applied, self.own_known = (_run_ok(meta.get(k), self.state.round) for k in ("applied", "own_known"))
 
     def _restorable(self, got: dict, valid, until_of, own_span: int) -> list:
         """The ``(peer id, value)`` items of a restored penalty map ``got`` that may be taken: ids of PeerID length,
@@ -171,6 +255,14 @@ class Penalties:
         for kind, pid in gone:
             pens[kind].pop(pid, None)
             del noted[(kind, pid)]
+        # the swarm's rounds from ``round`` on are not the ones this peer applied: their marks are unknown here. Its own
+        # marks of rounds it only saw the plan of (planned out, sat out: the driver notes them before this re-sync) or
+        # was stalled through stay known, as the marks themselves stay (a cut there cost 18 rounds of no leading
+        # after every planned-out round: the e2e killed-peer run's re-sync)
+        run = self.applied
+        if run is not None and run[1] >= round:
+            self.own_known = _cut(self.own_known, max(round, run[0]))
+        self.applied = _cut(run, round)
         return sorted({pid for _, pid in gone})
 
     def note_own_failures(
@@ -324,6 +416,29 @@ class Penalties:
         if not barred or all(m in barred or not m.address for m in members):
             return members
         return [m.model_copy(update={"address": None}) if m in barred else m for m in members]
+
+
+def _extended(run: Optional[tuple[int, int]], round: int) -> tuple[int, int]:
+    """``run`` (first, last round) with ``round`` added: extended when it follows on (or lies within), else a new run
+    from ``round`` (the rounds between were not seen)."""
+    return (run[0], max(run[1], round)) if run is not None and run[0] <= round <= run[1] + 1 else (round, round)
+
+
+def _span(run: Optional[tuple[int, int]]) -> str:
+    """A run of rounds as text: ``"rounds a-b only"``, or ``"no round"``."""
+    return "no round" if run is None else f"rounds {run[0]}-{run[1]} only"
+
+
+def _cut(run: Optional[tuple[int, int]], round: int) -> Optional[tuple[int, int]]:
+    """``run`` without the rounds from ``round`` on (None when nothing is left)."""
+    return None if run is None or run[0] >= round else (run[0], min(run[1], round - 1))
+
+
+def _run_ok(v, round: int) -> Optional[tuple[int, int]]:
+    """A restored run ``[first, last]``: ints, ``0 <= first <= last < round`` (the checkpoint's); else None."""
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(type(x) is int for x in v) and 0 <= v[0] <= v[1] < round:
+        return (v[0], v[1])
+    return None
 
 
 def _mark_ok(m) -> bool:

@@ -159,13 +159,15 @@ class PlanRules:
         chosen = pb.select_probation(self.run_cfg.run_id, rnd, view, waiting, pb.probation_slots(len(est)))
         left = len(waiting) - len(chosen)
         if left or len(kept) < len(members):
+            out = [m.peer_id[:10] for m in members if m.peer_id in pen and m.peer_id != me]
             log.info(
-                "round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out",
+                "round %d: planning %d established peer(s) and %d of %d on probation; %d no-show(s) left out%s",
                 rnd,
                 len(est),
                 len(chosen),
                 len(waiting),
-                len(members) - len(kept),
+                len(out),
+                f" ({', '.join(out)})" if out else "",
             )
         keep = set(est) | set(chosen)
         return [m for m in kept if m.peer_id in keep], tuple(chosen)
@@ -259,7 +261,7 @@ class PlanRules:
             barred=barred,
             supported=self.delivered_evidence(plan.round),
             unseen=self.unseen_evidence(plan.round),
-            late=self.penalties.late_ceilings(),
+            late=self.penalties.follower_late(plan.round, plan.participants(), self.delivered_evidence(plan.round)),
         )
 
     def sampled_plan_problem(self, plan, sampled: dict, sample: Sequence[str]) -> Optional[str]:
@@ -291,7 +293,7 @@ class PlanRules:
             barred=self.penalties.barred(),
             supported=self.delivered_evidence(plan.round),
             unseen=self.unseen_evidence(plan.round),
-            late=self.penalties.late_ceilings(),
+            late=self.penalties.follower_late(plan.round, plan.participants(), self.delivered_evidence(plan.round)),
         )
 
     def delivered_evidence(self, round: int) -> Optional[dict]:
@@ -344,6 +346,14 @@ class PlanRules:
         me, barred, noshows = self.state.me, self.penalties.barred(), self.penalties.noshows()
         if plan.leader in noshows and plan.leader != me:
             return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
+        late = self.penalties.late_marks()
+        if plan.leader in late and plan.leader != me:
+            # a late peer planned its own budget over its ceiling (red team 49); honest ones hold their own mark
+            # (note_own_failures, note_sat_out) or, without the history, do not lead (Penalties.lead_gap; session 50)
+            return (
+                f"its leader {plan.leader[:10]} is marked late (it contributed to no part of a recent round; no "
+                f"leader until round {late[plan.leader][0] + 1})"
+            )
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
