@@ -12,6 +12,10 @@ update causes on the peer's assigned data against random data):
     t        = Welch's t of that difference over the batches' rows (each row a window of its own: the rows'
                spread is the unit, so no threshold is in nats)
 
+and, batch by batch (session 50, partial work: :mod:`geomesh_p2p.trust.gain_batches`), ``low``: the same t over the
+lower half (by mean gain) of the drawn batches with at least 4 steps after them in the claim, so that one strongly
+trained batch among the drawn cannot carry the test for the others.
+
 ``theta`` is the round's start weights, ``d`` the contribution decoded from its sign packets (what the owners
 received), restricted to the checked parts when the check covers only some. Each batch's loss is taken at both
 weights, so the batch-to-batch spread of the loss itself cancels in every gain.
