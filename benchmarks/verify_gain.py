@@ -27,6 +27,7 @@ contributor A's candidates for each H of ``--Hs`` from A's real optimizer state:
   poison-assigned  A's assigned batches with the trigger written over ``--trigger-share`` of each row's tokens
                    (a poisoner that knows the statistic)
   stale            A's previous round delta
+  partial-F        A's optimizer on a random share F of its H batches (--partial), claiming all H
 
 Prints, per (H, candidate), min / mean / max of ``excess``, of the assigned / control gain ratio and of ``t`` over
 the measured rounds and ``--samples`` draws of the k batches (``--m`` control batches), and the share of draws
@@ -34,6 +35,14 @@ below t = 0.5, 1, 1.5, 2::
 
     python benchmarks/verify_gain.py                                  # ~6 min on 2 busy cores
     python benchmarks/verify_gain.py --measure 2,6 --Hs 5,20 --samples 4   # a quick look
+
+Session 50 (partial work): ``partial-F`` candidates train a random share F of their H batches (at least one) and
+claim all H; ``--rows FILE`` keeps every candidate's row gains, and ``--from-rows FILE[,FILE]`` prints the shipped
+rules on them (the whole t, the per-batch ``low`` of :mod:`geomesh_p2p.trust.gain_batches`, staged screens) over
+``--draws`` draws a round, without training again::
+
+    python benchmarks/verify_gain.py --batch 8 --rows rows8.json && python benchmarks/verify_gain.py --batch 4 \
+        --rows rows4.json && python benchmarks/verify_gain.py --from-rows rows8.json,rows4.json
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.trust.gain import row_losses, welch_t
 
 CANDIDATES = ("honest", "wrong-data", "poison-corpus", "poison-assigned", "stale")
+PARTIAL = (0.05, 0.25, 0.5)  # shares of its batches a partial-work candidate trains (it claims all H)
 CONTROL = "control-batches"
 
 
@@ -88,6 +98,69 @@ class PoisonedData:
         return x
 
 
+class PartialData:
+    """A dataset stand-in whose step ``k`` is the wrapped dataset's step ``steps[k]``: a trainer run for
+    ``len(steps)`` inner steps trains exactly those of its assigned batches, in order (a partial-work free rider that
+    trains some of its batches and claims all of them; red team, session 15)."""
+
+    def __init__(self, ds, steps: list[int]):
+        self.ds, self.steps = ds, steps
+
+    def __getattr__(self, name):
+        return getattr(self.ds, name)
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
+        return self.ds.sample_batch(
+            seed=seed, peer_id=peer_id, round=round, step=self.steps[step], batch_size=batch_size, seq_len=seq_len
+        )
+
+
+def rule_table(path: str, draws: int, seed: int = 0) -> None:
+    """Session 50: the shipped rules on a ``--rows`` file, ``draws`` draws of the k steps per (round, H, candidate),
+    in drawn order as a screen takes them (:func:`~geomesh_p2p.trust.verify_task.gain_order`'s role). Per candidate:
+    the whole t's minimum, the per-batch ``low`` (min / mean / max), and the share of draws that fail hard / fail or
+    mark: by the whole t alone (before session 50), by t and ``low`` on the whole test, by a staged screen (a half
+    passes alone at t >= 2.95 when :func:`~geomesh_p2p.trust.gain_batches.half_may_pass`), and how many screens a half
+    passes alone before / now (the cost: the others run the whole test). No power reference (every draw decides)."""
+    from geomesh_p2p.trust.gain import gain_of
+    from geomesh_p2p.trust.gain_batches import half_may_pass, low_kw
+    from geomesh_p2p.trust.gain_stages import stage_bounds
+    from geomesh_p2p.trust.verify_task import VerifyConfig
+
+    cfg = VerifyConfig()
+    bound = stage_bounds(cfg.gain_t_min, cfg.gain_stage_kappa)[1]
+    d = json.load(open(path))
+    rng, out = random.Random(seed), {}
+    for key, v in d["rows"].items():
+        r, H, name = key.split("/", 2)
+        ctrl, asg, H = v["control"][: d["m"]], v["assigned"], int(H)
+        for _ in range(draws):
+            order = rng.sample(range(H), min(d["k"], H))
+            js, s1 = sorted(order), sorted(order[: len(order) // 2])
+            g = gain_of([asg[j] for j in js], ctrl, steps=H, at=js, **low_kw(cfg))
+            h = gain_of([asg[j] for j in s1], ctrl[: len(ctrl) // 2], steps=H, at=s1, **low_kw(cfg))
+            old = 2 if g.t < cfg.gain_t_hard else 1 if g.t < cfg.gain_t_min else 0
+            low = 0 if g.low is None or g.low >= cfg.gain_low_min else 2 if g.low < cfg.gain_low_hard else 1
+            new = max(old, low) if g.t >= cfg.gain_t_hard else old
+            alone = h.t >= bound and half_may_pass(cfg, [asg[j] for j in s1], ctrl[: len(ctrl) // 2], s1, order, H)
+            out.setdefault((H, name), []).append((g.t, g.low, old, new, 0 if alone else new, h.t >= bound, alone))
+    print(f"\n{path}: batch {d['batch']}, k = {d['k']}, m = {d['m']}, {draws} draws a round; low: the settled "
+          f"batches' lower half (settle {cfg.gain_settle_steps}), fails < {cfg.gain_low_hard}, marginal < "
+          f"{cfg.gain_low_min}; shares fail / fail or marginal")  # fmt: skip
+    for (H, name), rows in sorted(out.items()):
+        lows = [x[1] for x in rows if x[1] is not None]
+
+        def share(i: int, at_least: int) -> float:
+            return sum(x[i] >= at_least for x in rows) / len(rows)
+
+        low = f"{min(lows):5.2f}/{sum(lows) / len(lows):5.2f}/{max(lows):5.2f}" if lows else "  (not measured)  "
+        print(
+            f"H={H:2d} {name:16s} t min {min(x[0] for x in rows):5.2f}  low {low}  t alone {share(2, 2):.2f}/"
+            f"{share(2, 1):.2f}  t+low {share(3, 2):.2f}/{share(3, 1):.2f}  staged {share(4, 2):.2f}/{share(4, 1):.2f}"
+            f"  half passes alone {share(5, 1):.2f} -> {share(6, 1):.2f}"
+        )
+
+
 def round_half(x: float) -> float:
     return float(int(x + 0.5))
 
@@ -109,10 +182,19 @@ def main() -> None:
         "comma-separated, e.g. 4x8,4x8x2 (session 19)",
     )
     ap.add_argument("--json", default=None, help="also write every draw's statistics here")
+    ap.add_argument("--rows", default=None, help="also write every candidate's row gains here (JSON)")
     ap.add_argument("--samples", type=int, default=6, help="draws of the k assigned steps per (round, H)")
     ap.add_argument("--trigger-share", type=float, default=0.16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--from-rows", default=None, help="print the rules' table from these --rows files (comma-separated)"
+    )
+    ap.add_argument("--draws", type=int, default=400, help="draws a round for --from-rows")
     a = ap.parse_args()
+    if a.from_rows:
+        for path in a.from_rows.split(","):
+            rule_table(path, a.draws)
+        return
     torch.set_num_threads(a.threads)
     Hs = [int(x) for x in a.Hs.split(",")]
     sizes = [(a.k, a.m, 0)] + [
@@ -140,6 +222,7 @@ def main() -> None:
     ratios: dict[tuple[int, str], list[float]] = {}
     tstats: dict[tuple[int, str], list[float]] = {}
     small: dict[tuple[int, str, tuple], list[float]] = {}
+    dump: dict[str, dict] = {}  # every candidate's row gains, "round/H/name" (--rows)
     for r in range(a.rounds):
         t0 = time.time()
         deltas = {}
@@ -172,6 +255,11 @@ def main() -> None:
                 }
                 if "peerA" in prev:
                     cands["stale"] = prev["peerA"]
+                trained: dict[str, list[int]] = {}
+                for f in PARTIAL:  # trains a random share f of its H batches (at least one), claims all H
+                    sub = sorted(random.Random(f"{r}/{H}/{f}").sample(range(H), max(1, round(f * H))))
+                    trained[f"partial-{f:g}"] = sub
+                    cands[f"partial-{f:g}"] = train(len(sub), data=PartialData(ds, sub))
                 asg_streams = [("peerA", j) for j in range(H)]
                 base_asg = row_losses(vmodel, ds, asg_streams, **kw)
                 for name, cand in cands.items():
@@ -181,6 +269,11 @@ def main() -> None:
                     after_ctrl = row_losses(moved, ds, ctrl_streams, **kw)
                     k0, m0 = sizes[0][0], sizes[0][1]
                     gc = [b - x for rb, rx in zip(base_ctrl[:m0], after_ctrl[:m0]) for b, x in zip(rb, rx)]
+                    dump[f"{r}/{H}/{name}"] = {
+                        "assigned": [[b - x for b, x in zip(rb, rx)] for rb, rx in zip(base_asg, after_asg)],
+                        "control": [[b - x for b, x in zip(rb, rx)] for rb, rx in zip(base_ctrl, after_ctrl)],
+                        "trained": trained.get(name, list(range(H))),
+                    }
                     c_gain = sum(gc) / len(gc)
                     for k_, m_, rows in sizes[1:]:  # smaller screens on the same candidates (session 19)
                         R = rows or B
@@ -216,7 +309,7 @@ def main() -> None:
     for H in Hs:
         ref = [honest_ex[(r, H)] for r in sorted(measure)]
         cut = 0.5 * min(ref) if ref else 0.0
-        for name in CANDIDATES:
+        for name in CANDIDATES + tuple(f"partial-{f:g}" for f in PARTIAL):
             v = stats.get((H, name))
             if not v:
                 continue
@@ -240,6 +333,9 @@ def main() -> None:
                         "share t < 0.5/1/1.5/2: "
                         + "/".join(f"{float((w < c).double().mean()):.2f}" for c in (0.5, 1.0, 1.5, 2.0))
                     )
+    if a.rows:
+        with open(a.rows, "w") as f:
+            json.dump({"batch": B, "seq_len": L, "k": sizes[0][0], "m": sizes[0][1], "rows": dump}, f)
     if a.json:
         with open(a.json, "w") as f:
             out = {f"{H}/{n}": {"excess": stats[(H, n)], "t": tstats[(H, n)]} for (H, n) in stats}

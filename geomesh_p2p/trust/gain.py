@@ -12,6 +12,10 @@ update causes on the peer's assigned data against random data):
     t        = Welch's t of that difference over the batches' rows (each row a window of its own: the rows'
                spread is the unit, so no threshold is in nats)
 
+and, batch by batch (session 50, partial work: :mod:`geomesh_p2p.trust.gain_batches`), ``low``: the same t over the
+lower half (by mean gain) of the drawn batches with at least 4 steps after them in the claim, so that one strongly
+trained batch among the drawn cannot carry the test for the others.
+
 ``theta`` is the round's start weights, ``d`` the contribution decoded from its sign packets (what the owners
 received), restricted to the checked parts when the check covers only some. Each batch's loss is taken at both
 weights, so the batch-to-batch spread of the loss itself cancels in every gain.
@@ -33,7 +37,17 @@ import torch
 
 from geomesh_p2p.trust.check_model import Piece, is_hollow, load_for_check, sub_flat_, subtracted
 
-__all__ = ["GainStats", "row_losses", "gain_rows", "cached_gain_rows", "gain_of", "gain_stats", "welch_t"]
+__all__ = [
+    "GainStats",
+    "lower_t",
+    "settled_low",
+    "row_losses",
+    "gain_rows",
+    "cached_gain_rows",
+    "gain_of",
+    "gain_stats",
+    "welch_t",
+]
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,9 @@ class GainStats:
     m: int
     steps: int = 0
     passes: int = field(default=0, compare=False)
+    #: the per-batch statistic (:func:`lower_t`): Welch's t of the rows of the drawn batches of lowest mean gain (the
+    #: lower half) against the controls'; None: not measured (a hand-made or older value), never decides
+    low: Optional[float] = None
 
     @property
     def excess(self) -> float:
@@ -180,16 +197,60 @@ def gain_rows(
     return [[b - a for b, a in zip(rb, ra)] for rb, ra in zip(before, after)], len(todo) + len(streams)
 
 
+def lower_t(assigned: Sequence[Sequence[float]], controls: Sequence[Sequence[float]], share: float = 0.5) -> float:
+    """The per-batch statistic (partial work, issue 28): sort the ``assigned`` batches by their mean row gain, keep the
+    ``ceil(share x k)`` lowest (at least 2; ties in the order given), and take Welch's t of their rows against every
+    control row (nats per token; float64, :func:`welch_t`). An honest contribution trained on every drawn batch shows
+    an excess on each, so its lower half too; one that trained only a share of its batches and claimed all shows
+    its whole excess on the few it trained, and its lower half is untrained text (t ~ -1: the lowest of a null
+    sample). Raises ValueError with fewer than 2 batches a side."""
+    if len(assigned) < 2 or len(controls) < 2:
+        raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
+    means = [sum(b) / len(b) for b in assigned]
+    order = sorted(range(len(assigned)), key=lambda j: (means[j], j))
+    keep = order[: max(2, math.ceil(share * len(assigned) - 1e-9))]
+    return welch_t([g for j in keep for g in assigned[j]], [g for batch in controls for g in batch])
+
+
+def settled_low(
+    assigned: Sequence[Sequence[float]],
+    controls: Sequence[Sequence[float]],
+    at: Sequence[int],
+    steps: int,
+    settle: int,
+    share: float,
+) -> Optional[float]:
+    """:func:`lower_t` over the ``assigned`` batches whose step (``at``, 0-based, one per batch) has at least
+    ``settle`` steps after it in a contribution of ``steps``: ``at[i] < steps - settle``. Why: AdamW applies a batch's
+    gradient through its first moment (beta1 0.9), 1 - 0.9^n of it after n steps, so an honest contribution's last
+    steps are barely in it (tiny preset, ``benchmarks/verify_gain.py``: the last step's batch measured z -0.7..+0.4
+    against controls, the others 1-12). None with fewer than 2 such batches or ``steps`` unknown (0)."""
+    if steps <= 0 or len(at) != len(assigned):
+        return None
+    kept = [b for b, j in zip(assigned, at) if int(j) < steps - settle]
+    return lower_t(kept, controls, share) if len(kept) >= 2 and len(controls) >= 2 else None
+
+
 def gain_of(
-    assigned: Sequence[Sequence[float]], controls: Sequence[Sequence[float]], *, steps: int = 0, passes: int = 0
+    assigned: Sequence[Sequence[float]],
+    controls: Sequence[Sequence[float]],
+    *,
+    steps: int = 0,
+    passes: int = 0,
+    at: Optional[Sequence[int]] = None,
+    settle: int = 4,
+    share: float = 0.5,
 ) -> GainStats:
     """The statistic of the module docstring over per-batch row gains (:func:`gain_rows`): the rows of every
     ``assigned`` batch against those of every control batch, in the order given (the same rows in the same order
-    give the same bits). Raises ValueError with fewer than 2 batches a side."""
+    give the same bits); with ``at`` (the assigned batches' steps) and ``steps`` (the contribution's), also the
+    per-batch statistic ``low`` (:func:`settled_low` with ``settle`` and ``share``; else None). Raises ValueError with
+    fewer than 2 batches a side."""
     if len(assigned) < 2 or len(controls) < 2:
         raise ValueError(f"a gain needs >= 2 batches a side, got {len(assigned)} assigned, {len(controls)} control")
     ga = [g for batch in assigned for g in batch]
     gc = [g for batch in controls for g in batch]
+    low = None if at is None else settled_low(assigned, controls, at, steps, settle, share)
     return GainStats(
         assigned=sum(ga) / len(ga),
         control=sum(gc) / len(gc),
@@ -198,6 +259,7 @@ def gain_of(
         m=len(controls),
         steps=int(steps),
         passes=int(passes),
+        low=low,
     )
 
 
@@ -216,6 +278,9 @@ def gain_stats(
     deadline: Optional[float] = None,
     pace: Optional[Callable[[], None]] = None,
     cache: Optional[dict] = None,
+    steps: int = 0,
+    settle: int = 4,
+    share: float = 0.5,
 ) -> GainStats:
     """The loss gains of the module docstring. ``theta``: the round's start weights, fp32 ``[P]``;
     ``contribution``: the pseudo-gradient as received (decoded; zero outside the checked parts), fp32 ``[P]``,
@@ -235,6 +300,8 @@ def gain_stats(
     kept there, a batch at a time, and reused by the next call with the same control batch, batch size and sequence
     length (the same bits: the same weights and batches), so screening a round's second contributor costs ``2k + m``
     passes.
+    ``steps``: the inner steps the contribution claims (0: not known); with it, ``low`` is measured over the
+    ``assigned`` streams' steps (:func:`gain_of`, ``settle`` and ``share``).
 
     Raises:
         ValueError: fewer than 2 streams on a side, or a vector of the wrong size.
@@ -247,7 +314,8 @@ def gain_stats(
         seq_len=seq_len, deadline=deadline, pace=pace, cache=cache,
     )  # fmt: skip
     k = len(assigned)
-    return gain_of(rows[:k], rows[k:], passes=passes)
+    at = [int(j) for _, j in assigned]
+    return gain_of(rows[:k], rows[k:], passes=passes, steps=steps, at=at, settle=settle, share=share)
 
 
 def cached_gain_rows(

@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from geomesh_p2p.trust.gain import GainStats, gain_of
+from geomesh_p2p.trust.gain_batches import half_may_pass, low_fails, low_kw, low_power
 from geomesh_p2p.trust.verify_task import VerifyConfig, VerifyTask, gain_order
 
 __all__ = ["STAGE_FRACTION", "stage_bounds", "disagreement", "halves", "can_stage", "Staged", "staged_gain", "RowsFn"]
@@ -107,6 +108,9 @@ class Staged:
     stage: str = ""
     #: borrowed references ``reference`` stands for, when they lent the power the checker's own lacked (0: none)
     borrowed: int = 0
+    #: the per-batch statistic's power, where the whole t passed and ``low`` did not (session 50,
+    #: :mod:`~.gain_batches`; None: not measured)
+    low_power: Optional[bool] = None
 
 
 def staged_gain(
@@ -145,9 +149,11 @@ def staged_gain(
     mine = packets[task.accused]
     got, passes = rows(task, mine, s1, c1)
     steps = int(task.steps_done)
-    half = gain_of(got[: len(s1)], got[len(s1) :], steps=steps, passes=passes)
+    half = gain_of(got[: len(s1)], got[len(s1) :], steps=steps, passes=passes, at=s1, **low_kw(cfg))
     note = f"; decided on half its batches ({len(s1)} of {len(order)}, {len(c1)} of {cfg.gain_controls} controls)"
-    if half.t >= stage_bounds(cfg.gain_t_min, kappa)[1]:
+    if half.t >= stage_bounds(cfg.gain_t_min, kappa)[1] and half_may_pass(
+        cfg, got[: len(s1)], got[len(s1) :], s1, order, steps
+    ):
         return Staged(half, stage=note)
     ref_halves: dict[int, GainStats] = {}  # index in refs -> its first half, measured once
     ref_steps = [_reference_steps(cfg, r) for r in refs]
@@ -156,7 +162,7 @@ def staged_gain(
     if refs and len(firsts) == len(refs) and fails:
         early = []
         for i, r in enumerate(refs):
-            ref_halves[i] = _reference_half(r, packets, rows, firsts[i], c1, cache)
+            ref_halves[i] = _reference_half(r, packets, rows, firsts[i], c1, cache, low_kw(cfg))
             passes += ref_halves[i].passes
             s = _scale(half.steps, ref_halves[i].steps)
             if s * ref_halves[i].t - half.t < stage_bounds(cfg.gain_t_gap, kappa, math.sqrt(1.0 + s * s))[1]:
@@ -168,9 +174,20 @@ def staged_gain(
     more, extra = rows(task, mine, s2, c2)
     passes += extra
     by_step = dict(zip(s1 + s2, got[: len(s1)] + more[: len(s2)]))
-    whole = gain_of([by_step[j] for j in sorted(order)], got[len(s1) :] + more[len(s2) :], steps=steps)
-    if whole.t >= cfg.gain_t_min or not refs:
+    at = sorted(order)
+    whole = gain_of([by_step[j] for j in at], got[len(s1) :] + more[len(s2) :], steps=steps, at=at, **low_kw(cfg))
+    if (whole.t >= cfg.gain_t_min and not low_fails(cfg, whole)) or not refs:
         return Staged(dataclasses.replace(whole, passes=passes))
+    if low_fails(cfg, whole):  # fails batch by batch: the references' low decide its power (session 50)
+        lent = _low_power(cfg, refs, whole, packets, rows, c1, c2, cache)
+        if rt is not None and not lent.power and fallback:  # as for the t: the others' may show the power
+            more_lent = _low_power(cfg, fallback, whole, packets, rows, c1, c2, cache)
+            lent = _Lent(more_lent.power, more_lent.reference, lent.passes + more_lent.passes)
+        passes += lent.passes
+        hard = lent.power and whole.low is not None and whole.low < cfg.gain_low_hard
+        if whole.t >= cfg.gain_t_min or hard:  # (a hard per-batch failure outranks a marginal t: no t power needed)
+            whole = dataclasses.replace(whole, passes=passes)
+            return Staged(whole, lent.reference, stage=_borrowed_note(borrowed, rt), low_power=lent.power)
     if rt is None:  # borrowed: power only when every reference shows it
         lent = _lent_power(cfg, refs, whole, packets, rows, c1, c2, cache, ref_halves)
         whole = dataclasses.replace(whole, passes=passes + lent.passes)
@@ -195,17 +212,19 @@ def _power(cfg, rt: VerifyTask, steps_, ref_half, whole: GainStats, packets, row
     rule); a reference of an odd number of batches (``steps_`` None) is measured whole, as unstaged."""
     gap = cfg.gain_t_gap
     if steps_ is None:
-        ref = _reference_whole(rt, packets, rows, (sorted(gain_order(rt, cfg.gain_assigned)), []), c1 + c2, [], cache)
+        ref = _reference_whole(
+            rt, packets, rows, (sorted(gain_order(rt, cfg.gain_assigned)), []), c1 + c2, [], cache, low_kw(cfg)
+        )
         return ref, _scale(whole.steps, ref.steps) * ref.t >= whole.t + gap, False, ref.passes
     passes = 0
     if ref_half is None:
-        ref_half = _reference_half(rt, packets, rows, steps_[0], c1, cache)
+        ref_half = _reference_half(rt, packets, rows, steps_[0], c1, cache, low_kw(cfg))
         passes = ref_half.passes
     s = _scale(whole.steps, ref_half.steps)
     lo, hi = stage_bounds((whole.t + gap) / s, cfg.gain_stage_kappa)
     if ref_half.t >= hi or ref_half.t < lo:
         return ref_half, ref_half.t >= hi, True, passes
-    ref = _reference_whole(rt, packets, rows, steps_, c1, c2, cache)
+    ref = _reference_whole(rt, packets, rows, steps_, c1, c2, cache, low_kw(cfg))
     return ref, s * ref.t >= whole.t + gap, False, passes + ref.passes
 
 
@@ -235,6 +254,21 @@ def _lent_power(
         decided.append(ref)
     low = min(decided, key=lambda g: _scale(whole.steps, g.steps) * g.t) if decided else None
     return _Lent(bool(decided), low, passes)
+
+
+def _low_power(cfg, refs: Sequence[VerifyTask], whole: GainStats, packets, rows: RowsFn, c1, c2, cache) -> _Lent:
+    """The per-batch statistic's power (:func:`~.gain_batches.low_power`) of each of ``refs``' whole tests against
+    ``whole``, stopping at the first without it: every one must show it (``_Lent``)."""
+    passes, decided = 0, []
+    for r in refs:
+        halves_ = _reference_steps(cfg, r) or (sorted(gain_order(r, cfg.gain_assigned)), [])
+        cs = (c1, c2) if halves_[1] else (c1 + c2, [])
+        ref = _reference_whole(r, packets, rows, halves_, cs[0], cs[1], cache, low_kw(cfg))
+        passes += ref.passes
+        if not low_power(cfg, whole, ref):
+            return _Lent(False, ref, passes)
+        decided.append(ref)
+    return _Lent(bool(decided), min(decided, key=lambda g: g.low or 0.0) if decided else None, passes)
 
 
 def _lent_note(refs: Sequence[VerifyTask]) -> str:
@@ -269,24 +303,29 @@ def _ref_key(rt: VerifyTask) -> tuple:
     return ("reference", rt.round, rt.accused, rt.parts, rt.batch_size, rt.seq_len, rt.element_seed)
 
 
-def _reference_half(rt: VerifyTask, packets, rows: RowsFn, steps, controls, cache: Optional[dict]) -> GainStats:
+def _reference_half(
+    rt: VerifyTask, packets, rows: RowsFn, steps, controls, cache: Optional[dict], kw: Optional[dict] = None
+) -> GainStats:
     """The reference's first half, kept in ``cache`` with its rows for the round's other screens and its whole
     (``passes`` 0 when it was kept)."""
     key = _ref_key(rt) + ("half",)
     if cache is not None and key in cache:
         return dataclasses.replace(cache[key], passes=0)
     got, passes = rows(rt, packets[rt.accused], steps, controls)
-    ref = gain_of(got[: len(steps)], got[len(steps) :], steps=int(rt.steps_done), passes=passes)
+    ref = gain_of(got[: len(steps)], got[len(steps) :], steps=int(rt.steps_done), passes=passes, at=steps, **(kw or {}))
     if cache is not None:
         cache[key] = ref
         cache[key + ("rows",)] = got
     return ref
 
 
-def _reference_whole(rt: VerifyTask, packets, rows: RowsFn, halves_, c1, c2, cache: Optional[dict]) -> GainStats:
+def _reference_whole(
+    rt: VerifyTask, packets, rows: RowsFn, halves_, c1, c2, cache: Optional[dict], kw: Optional[dict] = None
+) -> GainStats:
     """The reference's whole test (``reference_gain``'s statistic: the same rows in the same order), its first
     half's rows reused (``halves_``: its steps in two; the second empty when the reference is not staged, then ``c1``
-    holds every control); kept in ``cache`` under ``reference_gain``'s key (``passes`` 0 when it was kept)."""
+    holds every control); kept in ``cache`` under ``reference_gain``'s key (``passes`` 0 when it was kept). ``kw``:
+    :func:`~.gain_batches.low_kw` (``low`` as ``reference_gain`` measures it)."""
     key = _ref_key(rt)
     if cache is not None and key in cache:
         return dataclasses.replace(cache[key], passes=0)
@@ -299,9 +338,10 @@ def _reference_whole(rt: VerifyTask, packets, rows: RowsFn, halves_, c1, c2, cac
     if s2 or c2:
         more, extra = rows(rt, packets[rt.accused], s2, c2)
     by_step = dict(zip(s1 + s2, first[: len(s1)] + more[: len(s2)]))
+    at = sorted(s1 + s2)
     ref = gain_of(
-        [by_step[j] for j in sorted(s1 + s2)], first[len(s1) :] + more[len(s2) :], steps=int(rt.steps_done),
-        passes=passes + extra,
+        [by_step[j] for j in at], first[len(s1) :] + more[len(s2) :], steps=int(rt.steps_done),
+        passes=passes + extra, at=at, **(kw or {}),
     )  # fmt: skip
     if cache is not None:
         cache[key] = ref

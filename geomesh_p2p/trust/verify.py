@@ -761,7 +761,7 @@ class WorkVerifier(Verdicts, Screening, EvidenceExchange, HeldContributions):
             ev.outcome == FAIL
             and stats.plain >= c.plain_min + c.refute_margin
             and (not task.full_test or stats.trace >= c.trace_min + c.refute_margin)
-            and (stats.gain is None or stats.gain.t >= c.gain_t_min + c.gain_refute_margin)
+            and c.gain_refutes(stats.gain)  # both its t and its per-batch low (session 50)
         ):
             self._exclude(
                 ev.verifier,

@@ -7,7 +7,6 @@ runs one :class:`~geomesh_p2p.trust.verify_task.VerifyTask`. The thresholds and 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import math
@@ -22,6 +21,7 @@ from geomesh_p2p.model.device import free_after_oom, is_oom
 from geomesh_p2p.model.memory import release_freed_memory
 from geomesh_p2p.trust.check_model import abs_max, is_hollow, load_for_check, release_
 from geomesh_p2p.trust.gain import GainStats, cached_gain_rows, gain_stats
+from geomesh_p2p.trust.gain_batches import low_fails, low_kw, low_outcome
 from geomesh_p2p.trust.gain_stages import RowsFn, can_stage, staged_gain
 from geomesh_p2p.trust.verify_commit import Committed
 from geomesh_p2p.trust.verify_task import (
@@ -396,6 +396,9 @@ def judge(
             f"assigned batches vs {g.control:+.4f} on controls{_reference_note(reference)}): not trained on them "
             f"(other data, stale, flipped or noise)",
         )
+    low = low_outcome(cfg, stats.gain, reference, _tokens(task))  # partial work (session 50): each batch's own gain
+    if low is not None and low[0] == "fail":
+        return Verdict(FAIL, low[1])
     if stats.plain < cfg.plain_hard:
         return Verdict(
             FAIL,
@@ -419,6 +422,8 @@ def judge(
         )
     if task.full_test and stats.trace < cfg.trace_min:
         return Verdict(MARGINAL, f"weak trace of its own batches: trace {stats.trace:.3f} < {cfg.trace_min}")
+    if low is not None and low[0] == "marginal":
+        return Verdict(MARGINAL, low[1])
     gain = f", gain t {g.t:.2f}" if g is not None else ""
     return Verdict(PASS, f"plain {stats.plain:.3f}, trace {stats.trace:.3f}{gain}")
 
@@ -499,7 +504,7 @@ def check_contribution(
     if task.round >= cfg.gain_first_round and covers_whole(task, packets):
         gain = _gain(cfg, task, model, dataset, theta, mine, seed=seed, deadline=deadline, pace=pace)
     reference = None
-    if gain is not None and gain.t < cfg.gain_t_min:  # a low t counts only where the test has power this round
+    if gain is not None and (gain.t < cfg.gain_t_min or low_fails(cfg, gain)):  # counts only with power (both rules)
         reference = reference_gain(
             cfg, task, model, dataset, theta, packets, plan=plan, checker=checker, seed=seed, deadline=deadline,
             pace=pace, cache=cache,
@@ -514,20 +519,9 @@ def check_contribution(
     c = gather(mine, task, index)
     streams = [(task.accused, j) for j in task.steps] + [(CONTROL_STREAM, i) for i in range(task.controls)]
     g = batch_gradients(
-        model,
-        dataset,
-        theta,
-        streams,
-        seed=seed,
-        round=task.round,
-        batch_size=task.batch_size,
-        seq_len=task.seq_len,
-        index=index,
-        micro_batch=micro_batch,
-        amp=amp,
-        deadline=deadline,
-        pace=pace,
-    )
+        model, dataset, theta, streams, seed=seed, round=task.round, batch_size=task.batch_size,
+        seq_len=task.seq_len, index=index, micro_batch=micro_batch, amp=amp, deadline=deadline, pace=pace,
+    )  # fmt: skip
     k = len(task.steps)
     others: list[torch.Tensor] = []
     used: list[tuple[str, str]] = []
@@ -555,6 +549,7 @@ def judge_screen(
     power: Optional[bool] = None,
     stage: str = "",
     borrowed: int = 0,
+    low_power: Optional[bool] = None,
 ) -> Verdict:
     """The verdict of a screening check (the loss-gain test alone): fail below ``gain_t_hard`` (hard, as in a
     full check), marginal below ``gain_t_min``, else pass. The thresholds are the full check's, measured on the
@@ -563,9 +558,13 @@ def judge_screen(
     screened round decides. ``power`` / ``stage``: a staged screen's decision on the reference and the note on
     what decided (:func:`~geomesh_p2p.trust.gain_stages.staged_gain`; ``gain`` is the half's when a half decided).
     ``borrowed``: the number of other contributions ``reference`` stands for (the checker sent none; ``power`` then
-    says whether all of them showed it), 0 for the checker's own."""
+    says whether all of them showed it), 0 for the checker's own. A whole t that passes then meets the per-batch
+    rule (:func:`~.gain_batches.low_outcome`; ``low_power``: its power as a staged screen decided it)."""
     head = f"screening (loss gain alone): {task.steps_done} steps{stage}"
     note = _reference_note(reference, borrowed)
+    low = low_outcome(cfg, gain, reference, _tokens(task), low_power)  # partial work (session 50)
+    if low is not None and low[0] == "fail":  # outranks a marginal t, or one without power
+        return Verdict(FAIL, f"{low[1]} ({head})")
     if gain.t < cfg.gain_t_min and not gain_decides(cfg, gain, reference, _tokens(task), power):
         if _tokens(task) < cfg.gain_min_tokens:  # the floor, whatever the reference (session 44: logs read "no power")
             return Verdict(
@@ -593,6 +592,8 @@ def judge_screen(
             f"weak loss gain on its own batches: t {gain.t:.2f} < {cfg.gain_t_min} (gain {gain.assigned:+.4f} vs "
             f"{gain.control:+.4f} on controls{note}; {head})",
         )
+    if low is not None:
+        return Verdict(MARGINAL if low[0] == "marginal" else PASS, f"{low[1]} ({head})")
     return Verdict(PASS, f"gain t {gain.t:.2f} ({head})")
 
 
@@ -653,12 +654,13 @@ def screen_contribution(
             power=st.power,
             stage=st.stage,
             borrowed=st.borrowed or (0 if own_ref else len(borrowed)),
+            low_power=st.low_power,
         )
     gain = _gain(
         cfg, task, model, dataset, theta, packets[task.accused], seed=seed, deadline=deadline, pace=pace, cache=cache
     )
     reference = None
-    if gain.t < cfg.gain_t_min:
+    if gain.t < cfg.gain_t_min or low_fails(cfg, gain):  # (unstaged: the own reference alone decides low's power)
         reference = reference_gain(
             cfg, task, model, dataset, theta, packets, plan=plan, checker=checker, seed=seed, deadline=deadline,
             pace=pace, cache=cache,
@@ -778,22 +780,12 @@ def _gain(
     steps = gain_steps(task, cfg.gain_assigned)
     if len(steps) < 2:  # below min_steps anyway; a t needs two batches a side
         raise ValueError(f"a loss-gain test needs >= 2 steps, the task has {task.steps_done}")
-    try:
-        stats = gain_stats(
-            model,
-            dataset,
-            theta,
-            pieces,
-            [(task.accused, j) for j in steps],
-            [(CONTROL_STREAM, i) for i in range(cfg.gain_controls)],
-            seed=seed,
-            round=task.round,
-            batch_size=task.batch_size,
-            seq_len=task.seq_len,
-            deadline=deadline,
-            pace=pace,
-            cache=cache,
-        )
+    try:  # with the claim's steps: the per-batch ``low`` too (session 50, gain_batches)
+        return gain_stats(
+            model, dataset, theta, pieces, [(task.accused, j) for j in steps],
+            [(CONTROL_STREAM, i) for i in range(cfg.gain_controls)], seed=seed, round=task.round,
+            batch_size=task.batch_size, seq_len=task.seq_len, deadline=deadline, pace=pace, cache=cache,
+            steps=int(task.steps_done), **low_kw(cfg),
+        )  # fmt: skip
     except TimeoutError as e:
         raise VerifyTimeout(str(e)) from None
-    return dataclasses.replace(stats, steps=int(task.steps_done))

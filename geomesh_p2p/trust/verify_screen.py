@@ -460,7 +460,7 @@ class Screening:
             self._record(task, verdict, ev.verifier)
             return "confirmed"
         c = self.cfg
-        if ev.outcome == FAIL and stats.gain is not None and stats.gain.t >= c.gain_t_min + c.gain_refute_margin:
+        if ev.outcome == FAIL and stats.gain is not None and c.gain_refutes(stats.gain):
             self._exclude(
                 ev.verifier,
                 f"its screening accusation of {ev.accused[:10]} in round {ev.round} does not re-check "

@@ -155,6 +155,15 @@ class VerifyConfig:
             not decide. A half decides a threshold ``c`` of the whole when its t is beyond ``sqrt(1/2) c`` by
             ``gain_stage_kappa`` standard deviations; 1.71 bounds the probability that such an early decision
             differs from the whole screen's by 1e-3 for any true effect (:func:`~.gain_stages.disagreement`).
+        gain_settle_steps, gain_low_share, gain_low_hard, gain_low_min, gain_low_stage: the test batch by batch
+            (session 50, partial work; :mod:`~geomesh_p2p.trust.gain_batches`): ``GainStats.low`` is Welch's t of the
+            lower ``gain_low_share`` (by mean gain, at least 2) of the drawn batches with at least ``gain_settle_steps``
+            steps after them; on a contribution whose whole t passes it fails hard below ``gain_low_hard``, marks
+            marginal below ``gain_low_min`` (with the power reference's ``low`` ``gain_t_gap`` above it); a staged
+            screen's half passes alone only when each of its settled batches reaches a t of ``gain_low_stage``.
+            Measured (tiny preset, rounds 2-11, H = 20/40, ``benchmarks/verify_gain.py``): honest ``low`` >= 1.64 at
+            batch 8, >= 0.55 at batch 4; partial work (a quarter of its batches trained, all claimed) below 0 in
+            72-79 % of draws.
     """
 
     share: float = 0.05
@@ -196,6 +205,20 @@ class VerifyConfig:
     sample_screeners: int = 2
     gain_staged: bool = True
     gain_stage_kappa: float = 1.71
+    gain_settle_steps: int = 4
+    gain_low_share: float = 0.5
+    gain_low_hard: float = 0.0
+    gain_low_min: float = 0.25
+    gain_low_stage: float = 1.0
+
+    def gain_refutes(self, gain) -> bool:
+        """Whether a re-check's loss-gain test (a ``GainStats``, or None: not measured) passes a hard accusation by
+        ``gain_refute_margin`` on both its statistics (the whole t, and ``low`` where measured), so that it may
+        refute it."""
+        if gain is None:
+            return True
+        m = self.gain_refute_margin
+        return gain.t >= self.gain_t_min + m and (gain.low is None or gain.low >= self.gain_low_min + m)
 
 
 #: Evidence lives at least this many times the rounds its participants keep it re-checkable (``keep_rounds``).

@@ -158,3 +158,40 @@ def test_a_reference_of_an_odd_number_of_batches_is_measured_whole(world, contri
     assert verdict.outcome == whole_verdict.outcome == VC.FAIL and verdict.reason == whole_verdict.reason
     assert stats.gain == whole.gain == screened["backdoor"][0][0].gain  # the accused's whole test, as before
     assert passes == whole_passes == 48 + 2 * 5 + 16  # the reference: 5 + 5 + 16 (controls kept)
+
+
+class _Only:
+    """The dataset with step k mapped to ``steps[k]``: ``len(steps)`` inner steps train exactly those batches."""
+
+    def __init__(self, ds, steps: list[int]):
+        self.ds, self.steps = ds, steps
+
+    def __getattr__(self, name):
+        return getattr(self.ds, name)
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
+        return self.ds.sample_batch(
+            seed=seed, peer_id=peer_id, round=round, step=self.steps[step], batch_size=batch_size, seq_len=seq_len
+        )
+
+
+@pytest.mark.parametrize("trained", [[9], [7, 8, 9]], ids=["last step", "last quarter"])
+def test_partial_work_does_not_pass_the_screen_staged_or_whole(world, trained):
+    """Session 50: A trains only its last ``trained`` steps of 10 (the red team's way: the cheapest batches to train
+    are the last) and claims all 10. A staged screen's half passes alone only when each of its settled batches shows a
+    t of ``gain_low_stage``, so the whole test runs; its ``low`` (the settled batches' lower half, the screener's own
+    honest contribution as the power reference) fails or marks it, staged and unstaged alike. Here: the last step
+    alone measures whole t 1.65 and low 0.20 (marginal by both), the last three t 3.57 (a pass before) and low -0.46."""
+    a = world.pid["A"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        partial = _train_round(world.base, _Only(world.ds, trained), world.theta, world.b_state, len(trained), a)
+    finally:
+        torch.set_num_threads(threads)
+    for cfg in (CFG, WHOLE):
+        stats, verdict, _ = _screen(world, cfg, partial, H=10)
+        assert stats.gain.low is not None and stats.gain.low < CFG.gain_low_min, stats.gain
+        assert verdict.outcome in (VC.FAIL, VC.MARGINAL), (verdict, stats.gain)
+        if stats.gain.low < CFG.gain_low_hard:
+            assert verdict.outcome == VC.FAIL and "weakest settled batches show no loss gain" in verdict.reason
