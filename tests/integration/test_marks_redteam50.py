@@ -290,3 +290,29 @@ async def test_a_peer_that_refused_a_plan_naming_it_and_caught_up_on_a_retry_hol
         assert (me.penalties.applied, me.penalties.own_known) == ((R + 1, R + 1), (0, R + 1))
         assert set(me.penalties.late_marks()) == {y}, adopt_on
         assert y not in me.leader_candidates(recs, live)[1]
+
+
+def test_a_resync_off_a_lineage_with_a_planned_out_round_in_it_cuts_every_round_seen_since_the_confirmed_one():
+    """A peer on a minority side (a split): the swarm confirmed its state up to round 25, it applied 25-29 on its
+    side, was planned out of 30 there, applied 31, then re-synced to the swarm's state (``forget_marks_since(25)``).
+    Its own marks of rounds 25-31 are the swarm's, which it was absent from (a late mark, a bench). The cut kept
+    25-30 known (from the applied run's start, 31): it led again at round 36, within the marks the swarm held on it.
+    Now every round from 25 goes: it leads once it knows 18 rounds of its own marks again (round 49)."""
+    pen = Penalties(RoundState(me=ME, round=32))
+    pen.applied = pen.own_known = (0, 29)
+    pen.note_own_known(30)
+    pen.note_applied(31)
+    assert (pen.applied, pen.own_known) == ((31, 31), (0, 31))
+    assert pen.forget_marks_since(25) == []
+    assert (pen.applied, pen.own_known) == (None, (0, 24))
+    led = None
+    for r in range(31, 60):  # the swarm's state adopted at round 31, every round applied since
+        if r > 31 and led is None and pen.lead_gap(r) is None:
+            led = r
+        pen.note_applied(r)
+    assert led == 31 + MARK_SPAN_ROUNDS
+    # planned out of the round the swarm confirmed (its plan was the swarm's), no round of the lineage applied: kept
+    kept = Penalties(RoundState(me=ME, round=31))
+    kept.applied, kept.own_known = (0, 29), (0, 30)
+    kept.forget_marks_since(30)
+    assert (kept.applied, kept.own_known) == ((0, 29), (0, 30))

@@ -270,10 +270,13 @@ class Penalties:
         # the swarm's rounds from ``round`` on are not the ones this peer applied: their marks are unknown here. Its own
         # marks of rounds it only saw the plan of (planned out, sat out: the driver notes them before this re-sync) or
         # was stalled through stay known, as the marks themselves stay (a cut there cost 18 rounds of no leading
-        # after every planned-out round: the e2e killed-peer run's re-sync)
+        # after every planned-out round: the e2e killed-peer run's re-sync). Where it applied a round from ``round`` on,
+        # every round seen since ``round`` goes: a plan it was planned out of after such a round was its lineage's, not
+        # the swarm's (red team 50: applied 25-29 on a minority side, planned out of 30 there, applied 31: the cut
+        # from 31 only kept 25-30 known, and it led at round 36 while the swarm's late mark of its absence held)
         run = self.applied
         if run is not None and run[1] >= round:
-            self.own_known = _cut(self.own_known, max(round, run[0]))
+            self.own_known = _cut(self.own_known, round)
         self.applied = _cut(run, round)
         return sorted({pid for _, pid in gone})
 
