@@ -381,3 +381,25 @@ def test_a_rogue_that_plans_out_the_peers_ranked_ahead_of_it():
 
     assert [mean(n, 1) for n in (4, 6, 10)] == [(0.98, 1.44), (0.96, 2.32), (0.95, 4.17)]
     assert [mean(n, 5) for n in (4, 6, 10)] == [(0.98, 0.49), (0.96, 0.8), (0.95, 1.43)]
+
+
+def test_one_line_a_gap_across_the_rounds_it_lasts(caplog):
+    """The e2e killed-peer run (4 peers, k3 killed at round 5 and restarted fresh at round 10): its "no leader
+    candidate" INFO line came every round from 12 to 24, as the gap's text names the round before. Now one line a
+    gap: its kind and where its runs start."""
+    from tests.integration.test_late_peer import _records
+
+    recs = _records()
+    ids = [x.peer_id for x in recs]
+    live = {x.peer_id: x for x in recs}
+    node = _node(recs, ids[0], marks_from=None)
+    node.penalties.note_applied(R - 1)
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.peer.round"):
+        for r in range(R, R + 30):
+            node.state.round = r
+            node.leader_candidates(recs, live)
+            node.penalties.note_applied(r)
+            if r == R + 20:  # a re-sync off a round it applied: a new gap, said again
+                node.forget_marks_since(r)
+    said = [x.getMessage() for x in caplog.records if "no leader candidate" in x.getMessage()]
+    assert [m.split(":")[0] for m in said] == [f"round {R}", f"round {R + 21}"]
