@@ -529,13 +529,15 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
             with contextlib.suppress(asyncio.CancelledError):
                 await reprobe
     await drv.resync("planned out")
-    if drv.me in plan.participants() and drv.state.round > r and drv.state.digest != plan.start_digest:
-        # The others ran a plan naming this peer without it, and the state moved (their round aggregated a token:
-        # they marked it); one that applied nothing leaves the start digest and concludes nothing, for anyone.
-        drv.policy.note_sat_out(plan)
     if drv.state.round <= r and drv.ended is None and not drv.stop.is_set():
         # no state to adopt: never run round r again while its plan's participants are past it (a fork)
         await resync_rules.hold_finished_round(drv, r, plan.participants())
+    if drv.me in plan.participants() and drv.state.round > r and drv.state.digest != plan.start_digest:
+        # The others ran a plan naming this peer without it, and the state moved (their round aggregated a token:
+        # they marked it); one that applied nothing leaves the start digest and concludes nothing, for anyone.
+        # After the hold too (red team 50): a state adopted on a retry of the catch-up came through round r all
+        # the same, and round r counts as one whose marks on this peer it knows (planned_out)
+        drv.policy.note_sat_out(plan)
 
 
 async def reprobe_and_announce(drv: RoundDriver) -> None:

@@ -41,6 +41,14 @@ def _no_publish(rec: RoundRecord) -> None:
     return None
 
 
+def _gap_key(gap: str) -> str:
+    """What names one gap of :meth:`Penalties.lead_gap` for its INFO line: which marks it lacks (its own, or the owner
+    penalties). Its text names the round before too, so it changed every round (red team 50: the e2e killed-peer
+    run's fresh peer said it 13 rounds in a row); the runs' starts move once the first round after a cut is applied.
+    A gap said stays unsaid until it ends or turns into the other kind."""
+    return "own" if gap.startswith("it knows") else "owner"
+
+
 class NodeRoundPolicy:
     """The round rules the driver calls (:class:`~geomesh_p2p.round.ports.RoundPolicy`).
 
@@ -79,7 +87,7 @@ class NodeRoundPolicy:
         self._publish = publish
         self._max_message_bytes = max_message_bytes
         self.accountable = accountable
-        self._lead_gap_said: Optional[str] = None  # the last lead_gap said (one INFO line a gap)
+        self._lead_gap_said: Optional[str] = None  # the gap last said (one INFO line a gap: _gap_key)
         if accountable is not None:
             accountable.undo_on = self.undo_on
 
@@ -159,11 +167,12 @@ class NodeRoundPolicy:
         if me not in cands or len(cands) < 2 or r <= 0:
             return members, cands
         gap = self.penalties.lead_gap(r)
-        if gap is not None and gap != self._lead_gap_said:  # once a gap (its text names where it starts)
+        key = None if gap is None else _gap_key(gap)
+        if key is not None and key != self._lead_gap_said:  # once a gap: its text grows every round (red team 50)
             log.info(
                 "round %d: this peer is no leader candidate: %s (its plan could break a mark the others hold)", r, gap
             )
-        self._lead_gap_said = gap
+        self._lead_gap_said = key
         if gap is not None or (
             MethodRule.from_run(self.planning.run_cfg).balanced and self.planning.delivered_evidence(r) is None
         ):

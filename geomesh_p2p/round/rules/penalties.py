@@ -179,7 +179,19 @@ class Penalties:
             self.held_since(0)
             return
         # the runs end at the checkpoint's round at the latest (an edited file cannot make a round it never saw its own)
-        self.applied, self.own_known = (_run_ok(meta.get(k), self.state.round) for k in ("applied", "own_known"))
+        runs = {k: _run_ok(meta.get(k), self.state.round) for k in ("applied", "own_known")}
+        bad = [k for k, v in runs.items() if v is None and meta.get(k) is not None]
+        if bad:  # an edited or damaged file: said, not silent (red team 50: it cost 18 rounds of no leading unsaid)
+            log.warning(
+                "checkpoint: its %s dropped (not [first, last] integers with 0 <= first <= last < %d, the "
+                "checkpoint's round): taken as no round, so this peer leads only once it holds the marks again",
+                " and ".join(f"{k!r} run of rounds {str(meta.get(k))[:40]}" for k in bad),
+                self.state.round,
+            )
+        self.applied = runs["applied"]
+        # every round applied is one whose own marks are known (note_applied): a dropped or shorter own_known run
+        # takes the applied one (red team 50: a damaged own_known alone cost 18 rounds the file still showed)
+        self.own_known = _covering(runs["own_known"], self.applied)
 
     def _restorable(self, got: dict, valid, until_of, own_span: int) -> list:
         """The ``(peer id, value)`` items of a restored penalty map ``got`` that may be taken: ids of PeerID length,
@@ -258,10 +270,13 @@ class Penalties:
         # the swarm's rounds from ``round`` on are not the ones this peer applied: their marks are unknown here. Its own
         # marks of rounds it only saw the plan of (planned out, sat out: the driver notes them before this re-sync) or
         # was stalled through stay known, as the marks themselves stay (a cut there cost 18 rounds of no leading
-        # after every planned-out round: the e2e killed-peer run's re-sync)
+        # after every planned-out round: the e2e killed-peer run's re-sync). Where it applied a round from ``round`` on,
+        # every round seen since ``round`` goes: a plan it was planned out of after such a round was its lineage's, not
+        # the swarm's (red team 50: applied 25-29 on a minority side, planned out of 30 there, applied 31: the cut
+        # from 31 only kept 25-30 known, and it led at round 36 while the swarm's late mark of its absence held)
         run = self.applied
         if run is not None and run[1] >= round:
-            self.own_known = _cut(self.own_known, max(round, run[0]))
+            self.own_known = _cut(self.own_known, round)
         self.applied = _cut(run, round)
         return sorted({pid for _, pid in gone})
 
@@ -432,6 +447,19 @@ def _span(run: Optional[tuple[int, int]]) -> str:
 def _cut(run: Optional[tuple[int, int]], round: int) -> Optional[tuple[int, int]]:
     """``run`` without the rounds from ``round`` on (None when nothing is left)."""
     return None if run is None or run[0] >= round else (run[0], min(run[1], round - 1))
+
+
+def _covering(own: Optional[tuple[int, int]], applied: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    """The own-marks run ``own`` made to hold the ``applied`` run (each round applied is known: :meth:`Penalties.
+    note_applied`): ``own`` when it does, else their hull when they touch, else ``applied`` (the run that reaches
+    later; an own run that ends before the applied one's last round is no current run)."""
+    if applied is None or (own is not None and own[0] <= applied[0] and own[1] >= applied[1]):
+        return own
+    if own is not None and own[1] >= applied[1] and own[0] <= applied[1] + 1:
+        return (min(own[0], applied[0]), own[1])
+    if own is not None and own[1] >= applied[1]:
+        return own  # a later run of its own (the applied one ended before it began): the current one
+    return applied
 
 
 def _run_ok(v, round: int) -> Optional[tuple[int, int]]:
