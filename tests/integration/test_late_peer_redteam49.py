@@ -27,13 +27,14 @@ def _late_round(nodes, plan, late: str) -> None:
         _next_round(node, plan, ar)
 
 
-def test_a_late_marked_leader_is_refused():
-    """A graced no-show is planned, not benched, so the no-show leader bar did not hold it: its own plan (restarted
-    without its history, or rogue) gave it 2.1x the budget the honest leader gives it, and followers took it. Now
-    followers refuse a late-marked leader as a benched one (session 50), and the late peer restarted fresh, which
-    holds no mark of itself, is no leader candidate of its own while it cannot know its marks
-    (``Penalties.lead_gap``): refusing alone forked the e2e killed-peer run (k2 led round 7 and followed its own
-    plan)."""
+def test_a_late_peer_restarted_fresh_does_not_lead_and_a_rogue_ones_plan_is_not_refused():
+    """A graced no-show is planned, not benched, so the no-show leader bar does not hold it: its own plan (restarted
+    without its history, or rogue) gives it 2.1x the budget the honest leader gives it. The late peer restarted
+    fresh, which holds no mark of itself, is no leader candidate of its own while it cannot know its marks
+    (``Penalties.lead_gap``, session 50; refusing its plan alone forked the e2e killed-peer run in session 49: k2 led
+    round 7 and followed its own plan). A rogue late peer's plan is still taken (open, bounded: no more than an
+    unmarked peer's budget): refusing it splits the followers that joined since the mark off (red team 50,
+    ``test_marks_redteam50``)."""
     recs = _records()
     ids = [x.peer_id for x in recs]
     x = ids[3]
@@ -58,10 +59,7 @@ def test_a_late_marked_leader_is_refused():
     assert [_budget(honest, p) for p in ids] == [4864, 4864, 4864, 2304]
     assert [_budget(own, p) for p in ids] == [4864, 4864, 4864, 4864]  # 2.1x its honest budget
     assert follower.plan_problem(honest, live) is None
-    assert follower.plan_problem(own, live) == (
-        f"its leader {x[:10]} is marked late (it contributed to no part of a recent round; no leader until round "
-        f"{R + pb.LATE_MARK_ROUNDS + 1})"
-    )
+    assert follower.plan_problem(own, live) is None  # every follower alike, with or without the mark
     assert fresh.plan_problem(honest, live) is None  # and it follows the honest plan that plans it low
 
 

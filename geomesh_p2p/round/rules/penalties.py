@@ -108,8 +108,8 @@ class Penalties:
 
     def lead_gap(self, round: int) -> Optional[str]:
         """Why this peer must not lead ``round`` from the marks it holds (None: it may): it does not know the marks
-        the others may hold on it (up to ``MARK_SPAN_ROUNDS`` back: they refuse a benched or late-marked leader's
-        plan), or every owner penalty on the others (``OWNER_PENALTY_ROUNDS`` back: they refuse a part given to a
+        the others may hold on it (up to ``MARK_SPAN_ROUNDS`` back: they refuse a benched leader's plan,
+        and a late-marked leader's plan would escape the ceiling they hold it to), or every owner penalty on the others (``OWNER_PENALTY_ROUNDS`` back: they refuse a part given to a
         barred owner). Other marks it lacks change only whom it plans how much, which followers accept (session 50:
         k2, restarted without its history, led round 7 of the e2e killed-peer run and followed its own plan)."""
         if not self.holds(round, own=True):

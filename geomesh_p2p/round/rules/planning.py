@@ -346,14 +346,10 @@ class PlanRules:
         me, barred, noshows = self.state.me, self.penalties.barred(), self.penalties.noshows()
         if plan.leader in noshows and plan.leader != me:
             return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
-        late = self.penalties.late_marks()
-        if plan.leader in late and plan.leader != me:
-            # a late peer planned its own budget over its ceiling (red team 49); honest ones hold their own mark
-            # (note_own_failures, note_sat_out) or, without the history, do not lead (Penalties.lead_gap; session 50)
-            return (
-                f"its leader {plan.leader[:10]} is marked late (it contributed to no part of a recent round; no "
-                f"leader until round {late[plan.leader][0] + 1})"
-            )
+        # A late-marked leader is not refused (session 50, red team 50): a follower that joined or re-synced since the
+        # mark holds none and would follow its plan while the holders followed the next candidate's (two plans in one
+        # round). Honest late peers hold their own mark (note_own_failures, note_sat_out) or, without the history, do
+        # not lead (Penalties.lead_gap); a rogue one escapes its late ceiling, no further than an unmarked peer's budget.
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
