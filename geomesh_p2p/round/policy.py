@@ -150,10 +150,10 @@ class NodeRoundPolicy:
         span; session 50). If every member does so, the last resort publishes
         (:func:`geomesh_p2p.round.planning.last_resort`)."""
         members = self.verified.members(members)
+        # without the history, the peers' own word on their marks too (Penalties.announced_unled; session 50)
+        unled = self.penalties.unled() | self.penalties.announced_unled(live.values())
         cands = pb.leader_candidates(
-            self.planning.standing_view(list(live.values())),
-            [m.peer_id for m in members],
-            barred=self.penalties.unled(),
+            self.planning.standing_view(list(live.values())), [m.peer_id for m in members], barred=unled
         )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
         if me not in cands or len(cands) < 2 or r <= 0:

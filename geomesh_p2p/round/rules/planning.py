@@ -249,7 +249,7 @@ class PlanRules:
         if reason is not None:
             return reason
         # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
-        reason = self._penalty_problem(plan)
+        reason = self._penalty_problem(plan) or self._announced_problem(plan, live)
         if reason is not None:
             return reason
         barred = self.penalties.barred()
@@ -358,6 +358,17 @@ class PlanRules:
         if owning:
             return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
         return None
+
+    def _announced_problem(self, plan, live: dict) -> Optional[str]:
+        """A follower without the swarm's history (:meth:`Penalties.announced_unled`) refuses a leader whose own record
+        says it is no leader candidate: the peers holding its mark refuse its plan (:meth:`_penalty_problem`)."""
+        rec = live.get(plan.leader)
+        if rec is None or plan.leader == self.state.me or plan.leader not in self.penalties.announced_unled([rec]):
+            return None
+        return (
+            f"its leader {plan.leader[:10]} announces a mark the others hold on it (no leader until round "
+            f"{rec.unled_until + 1})"
+        )
 
 
 def _address_problem(plan, records: dict) -> Optional[str]:
