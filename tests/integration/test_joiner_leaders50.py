@@ -15,6 +15,7 @@ in-memory DHT for the rogue's case: exact levels, reasons and plans followed, no
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -47,7 +48,7 @@ def _at(rec: PeerRecord, round: int, unled_until: int | None = None) -> PeerReco
     return PeerRecord.from_bytes(json.dumps({**json.loads(rec.to_bytes()), **fields}).encode())
 
 
-def test_the_slow_link_joiner_takes_the_holders_level_from_the_late_peers_own_record():
+def test_the_slow_link_joiner_takes_the_holders_level_from_the_late_peers_own_record(caplog):
     """A (rPJ) leads round R with B (FsZb), whose pushes come late: A and B mark B late (graced: it delivered the
     round before). Round R + 1: A's only candidate is A, so the level is all of round R's participants and A succeeds
     itself. The joiner J downloaded round R + 1's state and took round R's plan from the records; without B's word
@@ -82,8 +83,15 @@ def test_the_slow_link_joiner_takes_the_holders_level_from_the_late_peers_own_re
     # now: B announces its mark, the joiner takes it, and its level is the holders'
     told = [members[0], _at(recs[1], R + 1, unled_until=mark), members[2]]
     live = {x.peer_id: x for x in told}
-    cands = joiner.leader_candidates(told, live)[1]
-    assert cands == [a]
+    with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.peer.round"):
+        for _ in range(2):
+            cands = joiner.leader_candidates(told, live)[1]
+            assert cands == [a]
+    said = [r.getMessage() for r in caplog.records if "announce(s) a mark" in r.getMessage()]
+    assert said == [
+        f"round {R + 1}: this peer lacks the marks of the last rounds; {b[:10]} announce(s) a mark on itself: no "
+        "leader candidate here either"
+    ]
     took = last_round_leaders(plan_r, R + 1, cands)
     assert took == frozenset({a, b}) and lead_problem(plan_a, took) is None
     assert joiner.plan_problem(plan_a, live) is None
