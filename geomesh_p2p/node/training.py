@@ -93,14 +93,23 @@ def record_capacity(node: PeerNode) -> dict:
 
 
 def record_state(node: PeerNode) -> dict:
-    """The state fields of this peer's record: ``round``, ``weights_digest`` (None while syncing) and ``last_plan``,
+    """The state fields of this peer's record: ``round``, ``weights_digest`` (None while syncing), ``unled_until`` (the
+    last round of the marks it holds on itself: ``Penalties.own_unled_until``) and ``last_plan``,
     the plan of round ``round - 1`` it obtained (:func:`~geomesh_p2p.round.last_plan.record_ref`: peers that did not
     obtain it take it by their voters' references), left out while it holds none or is syncing. A peer that ended
     alone on a state that is not the swarm's (:func:`~geomesh_p2p.node.report.disowned`) names neither: no fork's
     round is kept as the run's by a bootstrap, nor its plan voted for."""
     unsure = node.resync.syncing or report.disowned(node)
     ref = None if unsure else record_ref(getattr(node, "_round_driver", None), node.round)
-    return {"round": node.round, "weights_digest": None if unsure else node.digest, "last_plan": ref}
+    # its marks on itself: what a follower without the history reads instead of marks it lacks (session 50)
+    pen = getattr(node, "penalties", None)
+    unled = pen.own_unled_until() if pen is not None else None
+    return {
+        "round": node.round,
+        "weights_digest": None if unsure else node.digest,
+        "last_plan": ref,
+        "unled_until": unled,
+    }
 
 
 def run_memory(run, cfg, n_params: int) -> RunMemory:

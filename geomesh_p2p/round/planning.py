@@ -127,7 +127,14 @@ def lead_problem(plan: RoundPlan, took: Optional[frozenset]) -> Optional[Content
     """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan, led
     it while another candidate took part, or was named accused in it while another candidate was not), as
     a :class:`ContentRefusal`: every peer that obtained that plan gives it, so the plan is ignored as absent and
-    the next candidate's is followed (no sit-out). None: no objection."""
+    the next candidate's is followed (no sit-out). None: no objection.
+
+    "Every peer" holds where the candidates agree, and they come from each peer's marks (``Penalties.unled``): a
+    follower without the swarm's history (joined, restarted fresh, re-synced) counted a late-marked participant the
+    holders leave out, took an earlier level and refused the plan they followed (session 50, the e2e slow-link
+    joiner). Such a follower takes the marks the peers announce on themselves (``Penalties.announced_unled``, in
+    ``policy.leader_candidates``); what is left is a mark a peer does not announce (a rogue's, or one a peer
+    restarted fresh cannot know): docs/security.md, "Session 50"."""
     if took is None or plan.leader in took:
         return None
     return ContentRefusal(

@@ -88,6 +88,7 @@ class NodeRoundPolicy:
         self._max_message_bytes = max_message_bytes
         self.accountable = accountable
         self._lead_gap_said: Optional[str] = None  # the gap last said (one INFO line a gap: _gap_key)
+        self._told_said: set[str] = set()  # the last marks taken from the peers' own records (one INFO line a set)
         if accountable is not None:
             accountable.undo_on = self.undo_on
 
@@ -158,10 +159,19 @@ class NodeRoundPolicy:
         span; session 50). If every member does so, the last resort publishes
         (:func:`geomesh_p2p.round.planning.last_resort`)."""
         members = self.verified.members(members)
+        # without the history, the peers' own word on their marks too (Penalties.announced_unled; session 50)
+        told = self.penalties.announced_unled(live.values()) - self.penalties.unled()
+        if told and told != self._told_said:  # one INFO line a set: the e2e log shows why the joiner's level moved
+            log.info(
+                "round %d: this peer lacks the marks of the last rounds; %s announce(s) a mark on itself: no leader "
+                "candidate here either",
+                self.state.round,
+                ", ".join(sorted(p[:10] for p in told)),
+            )
+        self._told_said = told
+        unled = self.penalties.unled() | told
         cands = pb.leader_candidates(
-            self.planning.standing_view(list(live.values())),
-            [m.peer_id for m in members],
-            barred=self.penalties.unled(),
+            self.planning.standing_view(list(live.values())), [m.peer_id for m in members], barred=unled
         )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
         if me not in cands or len(cands) < 2 or r <= 0:

@@ -131,6 +131,15 @@ class PeerRecord(BaseModel):
         "reads to take it; left out of the JSON when None",
     )
 
+    unled_until: Optional[int] = Field(
+        default=None,
+        ge=0,
+        le=1 << 40,
+        description="the last round through which this peer is no leader candidate by the marks it holds on itself, "
+        "which the others hold on it too (a no-show bench or a late mark: geomesh_p2p.round.rules.penalties, 0.18.0): "
+        "what a follower that lacks the swarm's history reads instead; left out of the JSON when None",
+    )
+
     @field_validator("tokens_per_s")
     @classmethod
     def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
@@ -172,11 +181,17 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes`` and ``last_plan`` are written only when set (not
-        their defaults), so a record without them is byte for byte what a peer of the previous version wrote
-        (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
+        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan`` and ``unled_until`` are written
+        only when set (not their defaults), so a record without them is byte for byte what a peer of the previous
+        version wrote (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
-        defaults = (("sync_progress", None), ("ranks", 1), ("rank_memory_bytes", None), ("last_plan", None))
+        defaults = (
+            ("sync_progress", None),
+            ("ranks", 1),
+            ("rank_memory_bytes", None),
+            ("last_plan", None),
+            ("unled_until", None),
+        )
         absent = {k for k, v in defaults if getattr(self, k) == v}
         return self.model_dump_json(exclude=absent or None).encode()
 

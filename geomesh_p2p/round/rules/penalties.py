@@ -232,6 +232,35 @@ class Penalties:
         its own budget: followers accept it at the newcomer seed, over its late ceiling)."""
         return set(self.noshows()) | set(self.late_marks())
 
+    def own_unled_until(self) -> Optional[int]:
+        """The last round through which this peer is no leader candidate by the marks it holds on itself (a no-show
+        bench or a late mark, which the others hold on it too: :meth:`note_own_failures`, :meth:`note_sat_out`), or
+        None when none is in force. Announced in its record (``PeerRecord.unled_until``) for :meth:`announced_unled`."""
+        me = self.state.me
+        if me is None:
+            return None
+        ends = [self.late_marks()[me][0]] if me in self.late_marks() else []
+        ends += [self.noshows()[me]] if me in self.noshows() else []
+        return max(ends, default=None)
+
+    def announced_unled(self, records) -> set[str]:
+        """Peers of ``records`` (PeerRecords) that announce themselves no leader candidate this round
+        (``unled_until`` at or past it: :meth:`own_unled_until`), taken only while this peer does not :meth:`hold` the
+        marks of the round; empty when it does. Session 50 (e2e slow-link joiner): a joiner holding no mark counted a
+        late-marked participant of the last round as a candidate, so ``round.planning.last_round_leaders`` gave it an
+        earlier level than the peers holding the mark, and it refused as content the last round's leader succeeding
+        itself, which they followed (8 rounds without training). A peer's word on itself only (its record is signed
+        by it): a rogue can bar nobody else from leading this way. The holders never take it (a record rewritten
+        between two holders' reads would give them two levels)."""
+        r, me = self.state.round, self.state.me
+        if self.holds(r):
+            return set()
+        return {
+            x.peer_id
+            for x in records
+            if x.peer_id != me and type(getattr(x, "unled_until", None)) is int and x.unled_until >= r
+        }
+
     def barred(self) -> list[str]:
         """Peers under an owner penalty this round."""
         return [p for p, until in self.owner.items() if until >= self.state.round]
