@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+from tests.integration.test_log_hygiene import _bad_lines
+
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -23,28 +25,35 @@ def _digest(swarm, name, r):
 
 
 def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
+    """A demo-like swarm (a bootstrap and three peers) trains, stops and resumes; no log has a bad line (issue 14 #10:
+    an ERROR record, a traceback, a task left pending, a closed loop, gRPC's C-core lines). The hygiene assertions were
+    tests/e2e/test_log_hygiene_procs.py's own swarm of the same bootstrap and three peers until session 50."""
     names = ["p0", "p1", "p2"]
+    swarm.bootstrap("boot")  # port 0: it binds a free port and prints it
+    entry = swarm.address("boot", 180)
 
     def start(*args):
-        swarm.start_peers(
-            names,
-            *args,
-            "--min-peers",
-            "3",
-            each=lambda i, n: [
+        for i, n in enumerate(names):
+            swarm.peer(
+                n,
+                *args,
+                "--min-peers",
+                "3",
                 "--checkpoint-dir",
                 str(tmp_path / f"ck_{n}"),
                 "--speed-factor",
                 ["1.0", "0.6", "0.4"][i],
                 "--summary-json",
                 str(tmp_path / f"{n}.summary.json"),
-            ],
-        )
+                bootstrap=entry,
+            )
 
     # 3 rounds, then one resumed (4 and 5 until session 48: the perplexity halves by round 2, and every check below is
     # per round; a round of ~5 s less)
     start("--rounds", str(ROUNDS))
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
+    for n in names:
+        assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
     # each peer, a `geomesh-peer join` process of its own, froze its start-up heap once built (issue 27: the run's
     # full collections skip the imports' and the model's ~350,000 objects)
     frozen = [json.loads((tmp_path / f"{n}.summary.json").read_text())["gc"]["frozen"] for n in names]
@@ -75,6 +84,11 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
         # three did, and the resumed round waited a whole plan attempt for a last resort)
         assert swarm.events(n, "plan_last_resort") == [], swarm.text(n)[-2000:]
     assert len({_digest(swarm, n, ROUNDS) for n in names}) == 1
+    # the bootstrap served both runs and stops cleanly; no bad line in any log of either run
+    swarm.interrupt("boot")
+    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
+    for n in names + ["boot"]:
+        assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
 
 
 def test_peer_killed_mid_round_then_restarts_and_catches_up(swarm, tmp_path):
