@@ -7,8 +7,8 @@ from tests.swarm_util import dead_address
 from tests.integration.test_log_hygiene import _bad_lines
 
 
-# A healthy swarm's logs (a bootstrap and three peers, --rounds 3, stopped: no bad line) are asserted on
-# tests/e2e/test_swarm.py::test_three_peers_train_then_resume_with_identical_weights's swarm, the same bootstrap and three
+# A healthy swarm's logs (a bootstrap and three peers, --rounds 3, stopped: no bad line) are asserted on the swarm of
+# tests/e2e/test_swarm.py::test_three_peers_train_then_resume_with_identical_weights, the same bootstrap and three
 # peers (session 50: this file's own swarm of them, ~15 s of a 4-process swarm, is gone).
 
 
