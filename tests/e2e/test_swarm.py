@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+from tests.integration.test_log_hygiene import _bad_lines
+
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -23,28 +25,32 @@ def _digest(swarm, name, r):
 
 
 def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
+    """A demo-like swarm (a bootstrap and three peers) trains and stops, and no log has a bad line (issue 14 #10: an
+    ERROR record, a traceback, a task left pending, a closed loop, gRPC's C-core lines: until session 50 the swarm of
+    tests/e2e/test_log_hygiene_procs.py, the same bootstrap and three peers); then the three resume."""
     names = ["p0", "p1", "p2"]
+    swarm.bootstrap("boot")  # port 0: it binds a free port and prints it
+    boot = swarm.address("boot", 180)
 
-    def start(*args):
-        swarm.start_peers(
-            names,
-            *args,
-            "--min-peers",
-            "3",
-            each=lambda i, n: [
-                "--checkpoint-dir",
-                str(tmp_path / f"ck_{n}"),
-                "--speed-factor",
-                ["1.0", "0.6", "0.4"][i],
-                "--summary-json",
-                str(tmp_path / f"{n}.summary.json"),
-            ],
-        )
+    def start(*args, bootstrap=None):
+        def each(i, n):
+            return ["--checkpoint-dir", str(tmp_path / f"ck_{n}"), "--speed-factor", ["1.0", "0.6", "0.4"][i],
+                    "--summary-json", str(tmp_path / f"{n}.summary.json")]  # fmt: skip
+
+        if bootstrap is None:  # the first peer is the others' entry
+            swarm.start_peers(names, *args, "--min-peers", "3", each=each)
+            return
+        for i, n in enumerate(names):
+            swarm.peer(n, *args, "--min-peers", "3", *each(i, n), bootstrap=bootstrap)
 
     # 3 rounds, then one resumed (4 and 5 until session 48: the perplexity halves by round 2, and every check below is
     # per round; a round of ~5 s less)
-    start("--rounds", str(ROUNDS))
+    start("--rounds", str(ROUNDS), bootstrap=boot)
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
+    swarm.interrupt("boot")
+    assert swarm.wait_exit(["boot"], 60) == {"boot": 0}
+    for n in names + ["boot"]:
+        assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
     # each peer, a `geomesh-peer join` process of its own, froze its start-up heap once built (issue 27: the run's
     # full collections skip the imports' and the model's ~350,000 objects)
     frozen = [json.loads((tmp_path / f"{n}.summary.json").read_text())["gc"]["frozen"] for n in names]
@@ -63,7 +69,9 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     assert ppl[-1] < ppl[0] < 4500, ppl
 
     # Stop-and-resume: the same three peers continue at round ROUNDS from identical weights (one round shows it: a
-    # second one, --rounds 6 before, repeated the same check).
+    # second one, --rounds 6 before, repeated the same check). Without the bootstrap, as before session 50: behind the
+    # same bootstrap p0 read the others' leaving records of the first run (their identities are the same), said "the
+    # swarm ended" and exited 0 without training (seen once, session 50)
     start("--rounds", str(ROUNDS + 1), "--resume")
     assert swarm.wait_exit(names, 300) == {n: 0 for n in names}
     last = next(iter({x["digest"] for n in names for x in swarm.rows(n) if x["round"] == ROUNDS - 1}))
