@@ -453,7 +453,7 @@ class NodeConfig(BaseModel):
     )
     min_peers: int = opt(
         1,
-        "peers to wait for before the first round of a new swarm (round 0, or the round a peer resumes at when it finds no swarm); later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
+        "peers to wait for before the first round of a new swarm (round 0, or the round a peer resumes at when it finds no swarm; a peer resumed on a checkpoint it trained with others waits for them past --wait-peers-s); later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
         ge=1,
     )
     wait_peers_s: float = opt(

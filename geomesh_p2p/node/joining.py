@@ -393,6 +393,7 @@ def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
     part it owned, and the round's digests split)."""
     node._set_state(round, theta, momentum)
     node.rs.written_by = None  # the state is a donor's now, not the resumed checkpoint's
+    node.rs.resumed_with = ()
     # every level of the exchange (the grouped one forwards to the one-level service)
     collective = getattr(node, "grouped", None) or getattr(node, "collective", None)
     if collective is not None:
@@ -455,6 +456,7 @@ async def resume_from(node: PeerNode, ck) -> None:
     if round_log is not None:  # /metrics said round 0 until the first round after a resume
         round_log.note_state_round(rnd)
     node.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
+    node.rs.resumed_with = node.standing.trained_with(rnd, node.me)
     verdicts = (meta.get("meta") or {}).get("verdicts") or {}
     if isinstance(verdicts, dict):  # checkpoints before issue 28 hold none
         node.verified.restore(verdicts.get("verified"))
