@@ -371,7 +371,8 @@ class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     bootstrap: list[str] = opt(
-        help="a bootstrap (or any live peer) to join through; repeatable",
+        help="a bootstrap (or any live peer) to join through; repeatable. Without it the peer starts a NEW swarm of "
+        "its own (a swarm of one until others join through it)",
         default_factory=list,
         metavar="HOST:PORT",
         parse="host_port",

@@ -7,6 +7,7 @@ it does when the run's swarm is empty (``--on-empty-swarm``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -371,6 +372,33 @@ async def initial_state(node: PeerNode) -> None:
             # only leaving records, a bootstrap not knowing the run past round 0 yet (restarted 1 s after the run
             # ended): the catch-up the first round would start, now, so that its checkpoint may be taken instead
             await _catch_up_or_own(node)
+    await warn_unused_checkpoint(node)
+
+
+async def warn_unused_checkpoint(node: PeerNode) -> None:
+    """Without ``--resume``: one WARNING when ``--checkpoint-dir`` holds a checkpoint this start did not take (its
+    newest round, and how to use it). Fresh user 50 restarted a peer without ``--resume``: it took the swarm's state
+    and its own checkpoint (its inner optimizer moments, its standing) went unused without a word. Nothing when the
+    start continued from that checkpoint (:func:`_continue_from_own`: the same round and digest)."""
+    d = node.cfg.checkpoint_dir
+    if node.cfg.resume or not d:
+        return
+    try:
+        ckpts = await asyncio.to_thread(gstate.list_checkpoints, d)
+        rnd, path = ckpts[-1] if ckpts else (None, None)
+        digest = json.loads(path.read_text()).get("digest") if path is not None else None
+    except (OSError, ValueError, AttributeError):  # unreadable: the --resume that would use it says so
+        return
+    if rnd is None or (node.round, node.digest) == (rnd, digest):
+        return
+    took = f"took the swarm's state of round {node.round}" if node.round else "starts from the seed at round 0"
+    log.warning(
+        "--checkpoint-dir %s holds a checkpoint of round %d, NOT used: this peer started without --resume (it %s, "
+        "without that checkpoint's inner optimizer state and standing); to continue from it, restart with --resume",
+        d,
+        rnd,
+        took,
+    )
 
 
 async def _catch_up_or_own(node: PeerNode) -> None:
