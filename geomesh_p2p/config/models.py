@@ -460,7 +460,8 @@ class NodeConfig(BaseModel):
     wait_peers_s: float = opt(
         60.0,
         "how long to wait for --min-peers, seconds; also how long a peer left alone waits before it ends, and how "
-        "long --resume waits for the others to come back",
+        "long --resume waits for the others to come back (with --min-peers 2 or more, a peer resumed on a checkpoint it "
+        "trained with others waits on for them, a line every 30 s)",
         ge=0,
         le=MAX_WAIT_S,
     )
