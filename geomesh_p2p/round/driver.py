@@ -206,6 +206,8 @@ class RoundDriver:
         self._written_by: Optional[str] = None
         #: the other PeerIDs that trained the resumed checkpoint's last round (:meth:`run`; empty: a fresh start)
         self._resumed_with: tuple[str, ...] = ()
+        #: the other peers a gather of this session read live (not leaving): a resumed peer's end needs one of them
+        self._seen_live: set[str] = set()
         #: monotonic seconds when the last "still waiting for them" line of a resumed peer was said (gather)
         self._held_logged: Optional[float] = None
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):

@@ -95,6 +95,7 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             # A peer that said it is leaving is not waited for (it finished its last exchange).
             expected = expected - {r.peer_id for r in everyone if r.leaving}
             recs = [r for r in everyone if not r.leaving]
+            drv._seen_live.update(r.peer_id for r in recs if r.peer_id != drv.me)  # resync.swarm_ended
             drv._gathered = {r.peer_id: r for r in recs}  # the live view PLAN starts from (no re-read)
             drv._gathered_leaving = {r.peer_id: r for r in everyone if r.leaving}
             drv.remember(everyone)

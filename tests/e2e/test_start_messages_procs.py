@@ -111,7 +111,7 @@ def test_sigint_during_the_start_of_a_background_join_stops_it_with_exit_0(tmp_p
             # no --bootstrap: a WARNING saying how to join an existing swarm instead (fresh user 50: it was an INFO)
             [warned] = [x.split(" W ", 1)[1].split(": ", 1)[1].rstrip() for x in lines if "no --bootstrap given" in x]
             assert warned == (
-                "no --bootstrap given: this peer starts a NEW swarm of its own for run '?' (others join it through "
+                "no --bootstrap given: this peer starts a NEW swarm of its own for run 'geomesh-demo' (others join it through "
                 "this peer's address); to join an existing swarm instead, stop (Ctrl+C) and pass --bootstrap "
                 "HOST:PORT, the address of that swarm's bootstrap"
             ), text

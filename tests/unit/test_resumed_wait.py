@@ -85,3 +85,23 @@ async def test_a_previous_sessions_leaving_record_at_or_behind_this_peers_round_
     ended = resync.swarm_ended(drv, list(me.swarm.records.values()))
     assert ended is not None and (ended.synced, ended.swarm_round) == (True, 86)
     assert ended.why.startswith("the swarm ended: every other peer (1) announced leaving, the latest at round 86")
+
+
+async def test_a_resumed_peer_does_not_end_on_the_leaving_record_its_partner_left_just_before_this_start():
+    """The e2e's case (restart seconds after the stop, within ``PREVIOUS_SESSION_MARGIN_S``): the partner's leaving
+    record at this peer's round and digest is the stop of the run it resumes, not an end of this session's swarm;
+    the peer waits on. Once that partner was read live in this session, its leaving does end the run, as before."""
+    me, q = _peers(2)
+    _at(me, 2, 0.25)
+    _at(q, 2, 0.25)
+    q.leaving = True
+    me.swarm.records[q.me] = q.record()  # fresh: announced a moment ago
+    drv = me.driver(min_peers=2)
+    drv._start, drv._resumed_with = (2, me.digest), (q.me,)
+    assert resync.swarm_ended(drv, list(me.swarm.records.values())) is None
+    drv._seen_live.add(q.me)  # it came back in this session, then left
+    ended = resync.swarm_ended(drv, list(me.swarm.records.values()))
+    assert ended is not None and (ended.synced, ended.round, ended.swarm_round) == (True, 2, 2)
+    drv2 = me.driver(min_peers=2)  # not resumed on a swarm's checkpoint: ends as before
+    drv2._start = (2, me.digest)
+    assert resync.swarm_ended(drv2, list(me.swarm.records.values())) is not None
