@@ -616,11 +616,15 @@ async def warn_if_resumed_behind(node: PeerNode) -> None:
         "resumed_behind_swarm",
         "resumed at round %d, but %s and no other peer of it is live yet: "
         "if one joins (peers restarted together), this peer adopts the swarm's state of round %d from it; if none "
-        "does, this peer trains alone from round %d, a fork of the run (to avoid that, resume from a checkpoint "
+        "does, this peer %s from round %d, a fork of the run (to avoid that, resume from a checkpoint "
         "of round %d)",
         node.round,
         seen,
         newest,
+        # a checkpoint trained with others waits for them (round.gather.held_for_swarm; fresh user 50)
+        "waits for the peers it trained its checkpoint with, then trains with them"
+        if node.rs.resumed_with and getattr(node.cfg, "min_peers", 1) >= 2
+        else "trains alone",
         node.round,
         newest,
         peer=node.me,
