@@ -23,6 +23,7 @@ import errno
 import asyncio
 import logging
 import os
+from pathlib import Path
 import shlex
 import signal
 import socket
@@ -136,7 +137,16 @@ def check_state_file(ns: argparse.Namespace) -> Optional[str]:
     path = state_path(ns)
     if not path:
         return None
-    if ns.state_file:  # the default's folder is --identity's, made with the key; a typed one's must be there
+    if not ns.state_file:  # the default, next to --identity: a problem of its folder is --identity's (fresh user 50)
+        key = Path(os.path.expanduser(ns.identity))
+        there = next((a for a in key.parents if a.exists()), None)
+        if there is not None and not there.is_dir():
+            return (
+                f"--identity {ns.identity}: its folder {key.parent} exists and is not a folder"
+                if there == key.parent
+                else f"--identity {ns.identity}: its folder {key.parent} cannot be made: {there} exists and is not a folder"
+            )
+    else:  # the default's folder is --identity's, made with the key; a typed one's must be there
         parent = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
         # a typo must not make folders (fresh user 49: --state-file /nonexist/dir/b3.json made /nonexist/dir)
         if not os.path.isdir(parent):

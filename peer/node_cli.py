@@ -23,7 +23,7 @@ from geomesh_p2p.config.flags import (
     to_argv,
     values_from,
 )
-from geomesh_p2p.config.models import NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
+from geomesh_p2p.config.models import DEFAULT_IDENTITY, NODE_GROUP, RUN_GROUP, NodeConfig, RunConfig
 from geomesh_p2p.net.addr import host_of, is_loopback_host, first_listen_problem
 from geomesh_p2p.util.aio import prestart_default_executor
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
@@ -385,9 +385,11 @@ def check_path_flags(ns: argparse.Namespace) -> None:
     the flag (exit 2)."""
     from geomesh_p2p.net.tls import tls_from_flags
 
-    problem = (
-        writable_dir_problem("--checkpoint-dir", ns.checkpoint_dir) if getattr(ns, "checkpoint_dir", None) else None
-    ) or key_file_problem("--identity", ns.identity)
+    d = getattr(ns, "checkpoint_dir", None)
+    # a typed path makes no chain of folders (fresh user 50): --checkpoint-dir only its last, --identity none
+    problem = (writable_dir_problem("--checkpoint-dir", d, parents=False) if d else None) or key_file_problem(
+        "--identity", ns.identity, make_folder=ns.identity == DEFAULT_IDENTITY
+    )
     if problem is not None:
         raise ValueError(problem)
     tls_from_flags(getattr(ns, "tls_cert", None), getattr(ns, "tls_key", None), getattr(ns, "tls_ca", None))
@@ -480,10 +482,12 @@ def cmd_join(ns: argparse.Namespace) -> int:
     _mmap_threshold(ns)
 
     if not ns.bootstrap:
-        # said plainly: a volunteer who forgot the flag trained alone, told only "starting a new swarm" (session 34)
-        log.info(
+        # said plainly: a volunteer who forgot the flag trained alone, told only "starting a new swarm" (session 34);
+        # a WARNING since fresh user 50 (an INFO line among the start-up lines went unread)
+        log.warning(
             "no --bootstrap given: this peer starts a NEW swarm of its own for run %r (others join it through this "
-            "peer's address); to join an existing swarm, stop and pass --bootstrap HOST:PORT",
+            "peer's address); to join an existing swarm instead, stop (Ctrl+C) and pass --bootstrap HOST:PORT, the "
+            "address of that swarm's bootstrap",
             getattr(ns, "run_id", None) or "?",
         )
     warning = reachability_warning(ns)

@@ -27,13 +27,17 @@ def checkpoint_source_problem(flag: str, directory: str) -> Optional[str]:
     return None if problem is None else f"{flag} {problem}"
 
 
-def writable_dir_problem(flag: str, path: str) -> Optional[str]:
+def writable_dir_problem(flag: str, path: str, *, parents: bool = True) -> Optional[str]:
     """Why a folder cannot be made (if absent) at ``path`` and written into, one line naming ``flag``
-    (``"--checkpoint-dir /proc/nope: cannot write there (No such file or directory)"``), or None."""
+    (``"--checkpoint-dir /proc/nope: cannot write there (No such file or directory)"``), or None. ``parents``
+    False: only the last folder may be made, a missing parent is refused (a mistyped path silently became a new
+    folder chain and an empty checkpoint folder: fresh user 50)."""
     try:
         d = Path(path).expanduser()
     except RuntimeError:  # ~NAME of nobody
         return f"{flag} {path}: no such user's home folder"
+    if not parents and not d.exists() and not d.parent.exists():
+        return f"{flag} {path}: {_missing_folder(d.parent, 'its parent folder')} (only the last folder is created: check the path)"
     reason = _dir_reason(d)
     return None if reason is None else f"{flag} {path}: {reason}"
 
@@ -60,10 +64,20 @@ def _dir_reason(d: Path) -> Optional[str]:
     return None
 
 
-def key_file_problem(flag: str, path: str) -> Optional[str]:
+def _missing_folder(d: Path, what: str = "its folder") -> str:
+    """``d`` (absent, or not a folder) in a few words: what is wrong with it or the first ancestor that exists."""
+    there = next((a for a in (d, *d.parents) if a.exists()), None)
+    if there is not None and not there.is_dir():
+        return f"{what} {d} cannot be made: {there} exists and is not a folder"
+    return f"{what} {d} does not exist"
+
+
+def key_file_problem(flag: str, path: str, *, make_folder: bool = True) -> Optional[str]:
     """Why ``path`` (a key file that is loaded, or created with its folders when absent) cannot be used, one line
     naming ``flag``, or None: a folder there, an unreadable file, or a folder it cannot be created in
-    (``"--identity /proc/nope/k.key: cannot create its folder /proc/nope (No such file or directory)"``)."""
+    (``"--identity /proc/nope/k.key: cannot create its folder /proc/nope (No such file or directory)"``).
+    ``make_folder`` False (a path the user typed): an absent key file's folder must exist (fresh user 50: a
+    mistyped folder silently became a new identity); the default ``~/.geomesh`` is still made."""
     try:
         p = Path(path).expanduser()
     except RuntimeError:
@@ -72,6 +86,10 @@ def key_file_problem(flag: str, path: str) -> Optional[str]:
         return f"{flag} {path}: is a folder, expected a key file"
     if p.exists():
         return None if os.access(p, os.R_OK) else f"{flag} {path}: cannot be read (permission denied)"
+    if not make_folder and not p.parent.exists():
+        return (
+            f"{flag} {path}: {_missing_folder(p.parent)} (a new key file is created, its folder is not: check the path)"
+        )
     reason = _dir_reason(p.parent)
     if reason is None:
         return None

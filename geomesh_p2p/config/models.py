@@ -371,7 +371,8 @@ class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     bootstrap: list[str] = opt(
-        help="a bootstrap (or any live peer) to join through; repeatable",
+        help="a bootstrap (or any live peer) to join through; repeatable. Without it the peer starts a NEW swarm of "
+        "its own (a swarm of one until others join through it)",
         default_factory=list,
         metavar="HOST:PORT",
         parse="host_port",
@@ -453,13 +454,14 @@ class NodeConfig(BaseModel):
     )
     min_peers: int = opt(
         1,
-        "peers to wait for before the first round of a new swarm (round 0, or the round a peer resumes at when it finds no swarm); later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
+        "peers to wait for before the first round of a new swarm (round 0, or the round a peer resumes at when it finds no swarm; a peer resumed on a checkpoint it trained with others waits for them past --wait-peers-s); later rounds (with 2 or more) wait for one other peer and a peer left alone ends (docs/round.md)",
         ge=1,
     )
     wait_peers_s: float = opt(
         60.0,
         "how long to wait for --min-peers, seconds; also how long a peer left alone waits before it ends, and how "
-        "long --resume waits for the others to come back",
+        "long --resume waits for the others to come back (with --min-peers 2 or more, a peer resumed on a checkpoint it "
+        "trained with others waits on for them, a line every 30 s)",
         ge=0,
         le=MAX_WAIT_S,
     )

@@ -113,15 +113,19 @@ class DeviceProber:
             tokens = batch * self.seq_len
             growth = MAX_TPS_GROWTH_PER_UPDATE if self._measured() else None
             ema.update(batch, tokens, tokens / tps, alpha=1.0, max_growth=growth)
+        # "planned out:" misled on a peer that had just joined and was still syncing (fresh user 50): the caller waits
+        # outside the round's plan for any reason (joined, syncing, too slow, other weights); a lower figure is kept
         events.emit(
             log,
             logging.INFO,
             "device_reprobed",
-            "planned out: device re-measured: batch %d at %.0f tokens/s (announced %.0f, now %.0f)",
+            "while waiting outside this round's plan: device re-measured: batch %d at %.0f tokens/s (announced %.0f, "
+            "now %.0f%s)",
             batch,
             tps,
             was,
             ema.tokens_per_s[batch],
+            "" if tps >= was else "; a lower measurement never lowers the announced figure",
             batch=batch,
             tokens_per_s=tps,
             was_tokens_per_s=was,

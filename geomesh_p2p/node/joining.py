@@ -7,6 +7,7 @@ it does when the run's swarm is empty (``--on-empty-swarm``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -371,6 +372,33 @@ async def initial_state(node: PeerNode) -> None:
             # only leaving records, a bootstrap not knowing the run past round 0 yet (restarted 1 s after the run
             # ended): the catch-up the first round would start, now, so that its checkpoint may be taken instead
             await _catch_up_or_own(node)
+    await warn_unused_checkpoint(node)
+
+
+async def warn_unused_checkpoint(node: PeerNode) -> None:
+    """Without ``--resume``: one WARNING when ``--checkpoint-dir`` holds a checkpoint this start did not take (its
+    newest round, and how to use it). Fresh user 50 restarted a peer without ``--resume``: it took the swarm's state
+    and its own checkpoint (its inner optimizer moments, its standing) went unused without a word. Nothing when the
+    start continued from that checkpoint (:func:`_continue_from_own`: the same round and digest)."""
+    d = node.cfg.checkpoint_dir
+    if node.cfg.resume or not d:
+        return
+    try:
+        ckpts = await asyncio.to_thread(gstate.list_checkpoints, d)
+        rnd, path = ckpts[-1] if ckpts else (None, None)
+        digest = json.loads(path.read_text()).get("digest") if path is not None else None
+    except (OSError, ValueError, AttributeError):  # unreadable: the --resume that would use it says so
+        return
+    if rnd is None or (node.round, node.digest) == (rnd, digest):
+        return
+    took = f"took the swarm's state of round {node.round}" if node.round else "starts from the seed at round 0"
+    log.warning(
+        "--checkpoint-dir %s holds a checkpoint of round %d, NOT used: this peer started without --resume (it %s, "
+        "without that checkpoint's inner optimizer state and standing); to continue from it, restart with --resume",
+        d,
+        rnd,
+        took,
+    )
 
 
 async def _catch_up_or_own(node: PeerNode) -> None:
@@ -393,6 +421,7 @@ def adopt_state(node: PeerNode, round: int, theta, momentum) -> None:
     part it owned, and the round's digests split)."""
     node._set_state(round, theta, momentum)
     node.rs.written_by = None  # the state is a donor's now, not the resumed checkpoint's
+    node.rs.resumed_with = ()
     # every level of the exchange (the grouped one forwards to the one-level service)
     collective = getattr(node, "grouped", None) or getattr(node, "collective", None)
     if collective is not None:
@@ -455,6 +484,7 @@ async def resume_from(node: PeerNode, ck) -> None:
     if round_log is not None:  # /metrics said round 0 until the first round after a resume
         round_log.note_state_round(rnd)
     node.standing = Standing.from_meta((meta.get("meta") or {}).get("standing"))
+    node.rs.resumed_with = node.standing.trained_with(rnd, node.me)
     verdicts = (meta.get("meta") or {}).get("verdicts") or {}
     if isinstance(verdicts, dict):  # checkpoints before issue 28 hold none
         node.verified.restore(verdicts.get("verified"))
@@ -586,11 +616,15 @@ async def warn_if_resumed_behind(node: PeerNode) -> None:
         "resumed_behind_swarm",
         "resumed at round %d, but %s and no other peer of it is live yet: "
         "if one joins (peers restarted together), this peer adopts the swarm's state of round %d from it; if none "
-        "does, this peer trains alone from round %d, a fork of the run (to avoid that, resume from a checkpoint "
+        "does, this peer %s from round %d, a fork of the run (to avoid that, resume from a checkpoint "
         "of round %d)",
         node.round,
         seen,
         newest,
+        # a checkpoint trained with others waits for them (round.gather.held_for_swarm; fresh user 50)
+        "waits for the peers it trained its checkpoint with, then trains with them"
+        if node.rs.resumed_with and getattr(node.cfg, "min_peers", 1) >= 2
+        else "trains alone",
         node.round,
         newest,
         peer=node.me,

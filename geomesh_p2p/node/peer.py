@@ -576,7 +576,7 @@ class PeerNode:
             log.info("round %d: eval perplexity %.2f (at start, %.1f s)", self.round, self.initial_ppl, eval_s)
             driver = self._driver()
             driver.eval_schedule.note_eval(-1, eval_s)  # --eval-every auto schedules from it (eval_schedule.py)
-            await driver.run(known_round=self.rs.known_round, written_by=self.rs.written_by)
+            await driver.run(self.rs.known_round, self.rs.written_by, self.rs.resumed_with)
             self._reached_target()
             # the last round's tending lines before the closing line, "done" or a swarm that ended first (red team 44)
             await self.verified.settle()

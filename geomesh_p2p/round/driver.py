@@ -204,6 +204,12 @@ class RoundDriver:
         #: the PeerID that wrote the checkpoint this session resumed, when another identity (:meth:`run`): its leaving
         #: record is that checkpoint's own word, no backing of :func:`~geomesh_p2p.round.resync.left_alone`
         self._written_by: Optional[str] = None
+        #: the other PeerIDs that trained the resumed checkpoint's last round (:meth:`run`; empty: a fresh start)
+        self._resumed_with: tuple[str, ...] = ()
+        #: the other peers a gather of this session read live (not leaving): a resumed peer's end needs one of them
+        self._seen_live: set[str] = set()
+        #: monotonic seconds when the last "still waiting for them" line of a resumed peer was said (gather)
+        self._held_logged: Optional[float] = None
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()
@@ -328,14 +334,18 @@ class RoundDriver:
             self.progressed_at = self.clock.monotonic()
 
     # ------------------------------------------------------------------ the loop
-    async def run(self, known_round: int = 0, written_by: Optional[str] = None) -> None:
+    async def run(
+        self, known_round: int = 0, written_by: Optional[str] = None, resumed_with: Sequence[str] = ()
+    ) -> None:
         """Rounds until done. Catches up first whenever the swarm holds a later round. A background
         evaluation still running at the end is waited for (its thread cannot be cancelled). ``known_round``: the
         newest round the join knew the run at (``RoundState.known_round``); past round 0, a session starting at round
         0 is not the whole swarm (red team 46: a peer resumed from a round-0 checkpoint of a run that had reached
         round 15 trained alone, then ended "its state is the run's", synced, exit 0). ``written_by``: the PeerID that
         wrote the checkpoint this session resumed, when another identity (``RoundState.written_by``): its leaving
-        record backs no start (red team 48b: a fork restarted under a new key was backed by its own old record)."""
+        record backs no start (red team 48b: a fork restarted under a new key was backed by its own old record).
+        ``resumed_with``: the other PeerIDs that trained the resumed checkpoint's last round (``RoundState``): the
+        start-up gather waits for them past ``--wait-peers-s`` (``gather.held_for_swarm``)."""
         # The state this session starts from (round 0, or a checkpoint's round on --resume) counts as confirmed: what
         # this peer noted before it (its restored standing credits and penalties) is never dropped as an
         # unconfirmed lineage's by a re-sync (a fresh-user trial, session 31: a peer resumed at round 24 behind the
@@ -354,6 +364,7 @@ class RoundDriver:
         # the end they were gone even when this peer was restarted 4 s after the others left (fresh user 48: exit 3)
         at_start = [r for r in await self._records_at_start() if r.peer_id != self.me]
         self._written_by = written_by
+        self._resumed_with = tuple(resumed_with)
         self._start_backed = r0 <= 0 or any(
             self.left_before(r) and (r.round, r.weights_digest) == (r0, self.state.digest) and r.peer_id != written_by
             for r in at_start

@@ -95,6 +95,7 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             # A peer that said it is leaving is not waited for (it finished its last exchange).
             expected = expected - {r.peer_id for r in everyone if r.leaving}
             recs = [r for r in everyone if not r.leaving]
+            drv._seen_live.update(r.peer_id for r in recs if r.peer_id != drv.me)  # resync.swarm_ended
             drv._gathered = {r.peer_id: r for r in recs}  # the live view PLAN starts from (no re-read)
             drv._gathered_leaving = {r.peer_id: r for r in everyone if r.leaving}
             drv.remember(everyone)
@@ -185,7 +186,10 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                     **fields,
                 )
             until = max([t0 + wait_s] + [ends[p] for p in waited])
-            if now > until or drv.stop.is_set():
+            held = now > until and held_for_swarm(drv, ids, first=first, short=short)
+            if held:
+                say_held(drv, recs, now - t0)
+            elif now > until or drv.stop.is_set():
                 if short and not first and not drv.stop.is_set() and not any(x.peer_id != drv.me for x in recs):
                     # After the first round nobody else is live at all: the swarm is gone (its records
                     # may have vanished with its peers). Training on alone would fork the run.
@@ -204,10 +208,63 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             if now_ids != last_ids:
                 last_ids = now_ids
                 backoff.reset()
-            if await drv.pause(min(backoff.next(), max(0.0, until - drv.clock.monotonic()) + 0.01)):
+            pause = backoff.next() if held else min(backoff.next(), max(0.0, until - drv.clock.monotonic()) + 0.01)
+            if await drv.pause(pause):
                 return synced
     finally:
         note_sync_outcomes(drv, waits, {r.peer_id for r in synced})
+
+
+def held_for_swarm(drv: RoundDriver, ids: set[str], *, first: bool, short: bool) -> bool:
+    """True while a peer resumed from a checkpoint that others trained with it (``RoundDriver.run``'s ``resumed_with``) is
+    still alone in step at that state, in its start-up gather short of ``--min-peers`` (2 or more): it goes on
+    waiting for them past ``--wait-peers-s`` instead of training alone. Fresh user 50: p1 restarted first on a
+    3-peer checkpoint trained round 86 alone after 60 s, a fork that ended exit 3 and made p2, restarted 2 min
+    later, end at once ("the swarm ended", exit 3). A fresh swarm (round 0) and a checkpoint this peer trained
+    alone keep the timer's fallback (docs/round.md); ``--min-peers 1`` trains on alone."""
+    return (
+        first
+        and short
+        and drv.cfg.min_peers >= 2
+        and bool(drv._resumed_with)
+        and (drv.state.round, drv.state.digest) == drv._start
+        and ids <= {drv.me}
+        and not drv.stop.is_set()
+    )
+
+
+#: seconds between the lines of a resumed peer waiting for the peers of its checkpoint (:func:`say_held`)
+HELD_LOG_S = 30.0
+
+
+def say_held(drv: RoundDriver, recs: list[PeerRecord], waited_s: float) -> None:
+    """One INFO line every :data:`HELD_LOG_S` of the wait :func:`held_for_swarm` holds: which peers it waits for
+    (the checkpoint's, short PeerIDs), which others are live, and how to go on."""
+    now = drv.clock.monotonic()
+    if drv._held_logged is not None and now - drv._held_logged < HELD_LOG_S:
+        return
+    drv._held_logged = now
+    mine = list(drv._resumed_with)
+    live = sorted(r.peer_id[:8] for r in recs if r.peer_id != drv.me)
+    events.emit(
+        log,
+        logging.INFO,
+        "waiting_for_resumed",
+        "round %d: resumed on a checkpoint trained with %d other peer(s) (%s); still waiting for them after %.0f s "
+        "(--min-peers %d): a resumed peer does not train alone. Live now: %s. Restart them with the same flags plus "
+        "--resume; to train on alone instead (a fork of the run), restart this peer with --min-peers 1",
+        drv.state.round,
+        len(mine),
+        ", ".join(p[:8] for p in mine),
+        waited_s,
+        drv.cfg.min_peers,
+        ", ".join(live) or "none",
+        peer=drv.me,
+        round=drv.state.round,
+        waiting_for=mine,
+        live=len(recs),
+        waited_s=waited_s,
+    )
 
 
 async def planned_with_leavers(drv: RoundDriver, everyone: list[PeerRecord]) -> list[PeerRecord]:

@@ -110,9 +110,22 @@ def swarm_ended(drv: RoundDriver, everyone: Sequence[PeerRecord]) -> Optional[Sw
     if not others or any(not x.leaving for x in others):
         return None
     since = getattr(drv, "started_at", None)
-    if since is not None and all(float(x.timestamp) < since - PREVIOUS_SESSION_MARGIN_S for x in others):
-        return None
+    if since is not None:
+        # a previous session's leaving record at or behind this peer's round says nothing of now (fresh user 50: a
+        # peer resumed at the newest state counted the stop of the run before): only newer ones, or ones ahead, count
+        others = [
+            x for x in others if float(x.timestamp) >= since - PREVIOUS_SESSION_MARGIN_S or x.round > drv.state.round
+        ]
+        if not others:
+            return None
     r = drv.state.round
+    if getattr(drv, "_resumed_with", ()) and (r, drv.state.digest) == getattr(drv, "_start", None):
+        # resumed on a checkpoint trained with others and still at it: a leaving record at or behind it of a peer this
+        # session never read live is that swarm's stop, however recent (fresh user 50's restart one peer at a time:
+        # the peer ended "the swarm ended" on the record its partner left seconds before this start)
+        others = [x for x in others if x.round > r or x.peer_id in drv._seen_live]
+        if not others:
+            return None
     # an excluded peer's state never counts, nor one of an identity outside the plan that made it
     voters = plan_voters(drv, others, r) or others
     majority, _, _ = digest_majority(drv.policy.digest_voters(voters), r)

@@ -143,6 +143,8 @@ kind                         where                            fields
                                                               last round), wait_s
 ``waiting_for_peers``        round.gather.gather (once per    peer, round, min_peers, live, wait_s
                              state)
+``waiting_for_resumed``      round.gather.say_held (every    peer, round, waiting_for (PeerIDs of the
+                             30 s)                            checkpoint's last round), live, waited_s
 ``waiting_for_syncing_peer`` round.gather.sync_deadline       peer, round, syncing_peer, wait_s (the
                                                               wait applied), done_bytes, total_bytes,
                                                               bytes_per_s, probation

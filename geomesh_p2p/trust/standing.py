@@ -167,6 +167,12 @@ class Standing:
             out[attest_key(exclude)] = self.weight(exclude)
         return out
 
+    def trained_with(self, state_round: int, me: Optional[str]) -> tuple[str, ...]:
+        """The other PeerIDs (sorted) credited at round ``state_round - 1``, the round that made a state of
+        ``state_round`` (a checkpoint's); empty when that round is not in the ledger or this peer trained it alone."""
+        ids = next((ids for r, ids in self._rounds if r == state_round - 1), frozenset())
+        return tuple(sorted(p for p in ids if p != me))
+
     def to_meta(self) -> dict:
         """JSON-able form, kept in checkpoints' metadata."""
         return {"window": self.window, "rounds": [[r, sorted(ids)] for r, ids in self._rounds]}

@@ -133,7 +133,7 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
         assert "tokens/s per batch" not in r.stdout + r.stderr
         # the same key in a second process (issue 14 #7): refused, naming where it already runs
         # with a --checkpoint-dir that did not exist: the refused start leaves no empty folder (fresh user, s37)
-        ckpt = tmp_path / "new" / "ckpt"
+        ckpt = tmp_path / "new"  # only its last folder is missing (a chain is refused: fresh user 50)
         r = _join(tmp_path, "--bootstrap", entry, "--identity", str(tmp_path / "a.key"), "--checkpoint-dir", str(ckpt))
         line = _one_line_error(r)
         assert "is already live at 127.0.0.1:" in line and "own key file" in line

@@ -108,6 +108,13 @@ def test_sigint_during_the_start_of_a_background_join_stops_it_with_exit_0(tmp_p
         if when == "proof of work":  # the node's clean stop before it joined (exit 0), in its log
             said = [x for x in lines if "stop requested before this peer joined the swarm" in x]
             assert len(said) == 1 and "stopped while computing the proof of work" in said[0], text
+            # no --bootstrap: a WARNING saying how to join an existing swarm instead (fresh user 50: it was an INFO)
+            [warned] = [x.split(" W ", 1)[1].split(": ", 1)[1].rstrip() for x in lines if "no --bootstrap given" in x]
+            assert warned == (
+                "no --bootstrap given: this peer starts a NEW swarm of its own for run 'geomesh-demo' (others join it through "
+                "this peer's address); to join an existing swarm instead, stop (Ctrl+C) and pass --bootstrap "
+                "HOST:PORT, the address of that swarm's bootstrap"
+            ), text
         else:
             said = [x.strip() for x in lines if x.startswith("geomesh-peer join: stopped")]
             assert said == ["geomesh-peer join: stopped during start-up"], text

@@ -391,6 +391,15 @@ async def test_resuming_behind_a_run_the_bootstrap_saw_further_along_says_so(mon
     with events.capture("resumed_behind_swarm") as said:
         await node._warn_if_resumed_behind()
     assert [(e["round"], e["swarm_round"]) for e in said] == [(6, 12)]
+    assert "if none does, this peer trains alone from round 6, a fork of the run" in said[0]["message"]
+    # a checkpoint trained with others, --min-peers 2 or more: it waits for them (fresh user 50), and says so
+    node.rs.resumed_with, node.cfg.min_peers = ("Other",), 3
+    with events.capture("resumed_behind_swarm") as said:
+        await node._warn_if_resumed_behind()
+    assert (
+        "if none does, this peer waits for the peers it trained its checkpoint with, then trains with them from "
+        "round 6, a fork of the run (to avoid that, resume from a checkpoint of round 12)"
+    ) in said[0]["message"]
     node.round = 12
     with events.capture("resumed_behind_swarm") as said:
         await node._warn_if_resumed_behind()

@@ -65,7 +65,7 @@ def test_join_checkpoint_dir_that_cannot_be_made_exits_2_before_torch(tmp_path, 
 
 def test_join_identity_whose_folder_cannot_be_made_exits_2_and_leaves_no_folder(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    ckpt = tmp_path / "new" / "ckpt"  # tried (made, written, removed) before the identity's check refuses
+    ckpt = tmp_path / "new"  # tried (made, written, removed) before the identity's check refuses
     key = tmp_path / "file" / "k.key"
     assert main(["join", "--client-only", "--identity", str(key), "--checkpoint-dir", str(ckpt)]) == 2
     assert _err(capsys) == [

@@ -145,8 +145,15 @@ def test_a_re_measured_device_grows_at_most_2x_once_a_round_measured_it_and_is_n
     asyncio.run(p.remeasure())
     assert ema.tokens_per_s[4] == pytest.approx(2e-3)  # capability.MAX_TPS_GROWTH_PER_UPDATE, as a round's
     fast, _, ema_fast = _device({4: 1e12})
-    assert asyncio.run(fast.remeasure()) < 1e12
+    with events.capture("device_reprobed") as got:
+        tps = asyncio.run(fast.remeasure())
+    assert tps < 1e12
     assert ema_fast.tokens_per_s == {4: 1e12}  # a busy moment never lowers the announced figure
+    # no "planned out:" (fresh user 50: said on a peer that had just joined and was syncing), and the kept figure says why
+    assert [e["message"] for e in got] == [
+        f"while waiting outside this round's plan: device re-measured: batch 4 at {tps:.0f} tokens/s (announced "
+        "1000000000000, now 1000000000000; a lower measurement never lowers the announced figure)"
+    ]
 
 
 def test_no_device_re_measurement_in_the_start_up_interval_or_for_a_multi_rank_peer():

@@ -35,6 +35,9 @@ class RoundState:
         written_by: the PeerID (base58) that wrote the checkpoint this peer resumed from, when another identity than
             this peer's (None otherwise, and once a catch-up replaced that state): its leaving record is that
             checkpoint's own word, no other peer's evidence of it (``RoundDriver.run``; red team 48b).
+        resumed_with: the other PeerIDs the resumed checkpoint's standing ledger names at its last round (the peers
+            this one trained it with; empty for a checkpoint trained alone, or once a catch-up replaced that state):
+            such a peer waits for them rather than train alone after ``--wait-peers-s`` (``gather.held_for_swarm``).
     """
 
     me: Optional[str] = None
@@ -47,3 +50,4 @@ class RoundState:
     theta_maxabs: Optional[float] = None
     known_round: int = 0
     written_by: Optional[str] = None
+    resumed_with: tuple[str, ...] = ()
