@@ -2,11 +2,13 @@
 checkpoint trained with others waits for them past ``--wait-peers-s``. What holds: a partner back in step under a new
 identity ends the wait at once; a partner ahead is caught up to (no hold). What is open: a partner live at the same
 round with another digest (a 1-1 tie ``policy.rejoin_state`` does not break) holds the peer forever, its line naming
-the live partner as one to restart. Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
+the live partner as one to restart. Fixed: ux50's ``--identity`` folder rule compared the path with the default as
+text, so the default typed out (the shell expands ``~``) was refused on a machine without ``~/.geomesh``. Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,3 +67,18 @@ async def test_a_partner_live_at_the_same_round_with_another_digest_does_not_hol
             pass
     # wanted: bounded (it trains or ends once --wait-peers-s ran out), or at least no line asking to restart a live peer
     assert held == [] or all(q.me[:8] not in e["message"].split("Live now:")[1] for e in held), held[-1]["message"]
+
+
+def test_the_default_identity_typed_out_by_the_shell_is_the_default(tmp_path, monkeypatch):
+    """``--identity ~/.geomesh/identity.key`` reaches the peer expanded (the shell's ``~``): the default's folder is
+    made for it as for the default itself, not refused as a typed path in a missing folder (exit 2 on a fresh
+    machine); another missing folder still is."""
+    from peer.node_cli import check_path_flags
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    flags = dict(checkpoint_dir=None, tls_cert=None, tls_key=None, tls_ca=None)
+    check_path_flags(SimpleNamespace(identity=str(tmp_path / ".geomesh" / "identity.key"), **flags))
+    check_path_flags(SimpleNamespace(identity="~/.geomesh/identity.key", **flags))
+    with pytest.raises(ValueError, match="does not exist"):
+        check_path_flags(SimpleNamespace(identity=str(tmp_path / ".geomesh2" / "identity.key"), **flags))
+    assert list(tmp_path.iterdir()) == []  # checked, nothing made yet
