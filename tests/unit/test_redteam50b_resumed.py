@@ -82,3 +82,30 @@ def test_the_default_identity_typed_out_by_the_shell_is_the_default(tmp_path, mo
     with pytest.raises(ValueError, match="does not exist"):
         check_path_flags(SimpleNamespace(identity=str(tmp_path / ".geomesh2" / "identity.key"), **flags))
     assert list(tmp_path.iterdir()) == []  # checked, nothing made yet
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="red team 50b (open): resumed_with is Standing.trained_with(checkpoint round), the ledger entry of the "
+    "round before it, and a peer credits only rounds it exchanged in (policy.after_exchange): a checkpoint of a "
+    "state it adopted by catch-up (planned out of the last round, or joined and caught up, then the swarm stopped: "
+    "final_checkpoint writes the held state) names nobody, so --resume --min-peers 2 trains alone after "
+    "--wait-peers-s, fresh user 50's fork",
+)
+async def test_a_checkpoint_of_a_state_caught_up_to_still_waits_for_the_swarm():
+    from geomesh_p2p.trust.standing import Standing
+
+    me, other = _peers(2)
+    _at(me, 86, 0.25)
+    ledger = Standing()
+    for r in range(80, 85):  # it trained rounds 80-84 with `other`; planned out of 85, it caught up to 86
+        ledger.credit(r, [me.me, other.me])
+    del me.swarm.records[other.me]  # the swarm stopped; me is restarted first, alone
+    drv = me.driver(min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    drv._start, drv._resumed_with = (86, me.digest), ledger.trained_with(86, me.me)
+    with events.capture("waiting_for_resumed") as held:
+        try:
+            members = await asyncio.wait_for(drv.gather(set(), first=True), 5)
+        except asyncio.TimeoutError:
+            members = None  # held: waits for the swarm (what is wanted)
+    assert members is None and held, f"trained alone: {[m.peer_id[:8] for m in members or []]}"
