@@ -1,9 +1,11 @@
 """Red team 50b of ux50's hold (``round.gather.held_for_swarm``): a peer resumed with ``--min-peers`` 2 or more on a
 checkpoint trained with others waits for them past ``--wait-peers-s``. What holds: a partner back in step under a new
-identity ends the wait at once; a partner ahead is caught up to (no hold). What is open: a partner live at the same
-round with another digest (a 1-1 tie ``policy.rejoin_state`` does not break) holds the peer forever, its line naming
-the live partner as one to restart. Fixed: ux50's ``--identity`` folder rule compared the path with the default as
-text, so the default typed out (the shell expands ``~``) was refused on a machine without ``~/.geomesh``. Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
+identity ends the wait at once; a partner ahead is caught up to (no hold). Fixed: a checkpoint of a state caught up to
+(planned out of the last round) named no peer of its swarm, so the hold did not apply (``Standing.trained_with``);
+ux50's ``--identity`` folder rule compared the path with the default as text, so the default typed out (the shell
+expands ``~``) was refused on a machine without ``~/.geomesh``. Open: a partner live at the same round with another
+digest (a 1-1 tie ``policy.rejoin_state`` does not break) holds the peer forever, its line naming the live partner as
+one to restart. Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
 
 from __future__ import annotations
 
@@ -84,15 +86,11 @@ def test_the_default_identity_typed_out_by_the_shell_is_the_default(tmp_path, mo
     assert list(tmp_path.iterdir()) == []  # checked, nothing made yet
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team 50b (open): resumed_with is Standing.trained_with(checkpoint round), the ledger entry of the "
-    "round before it, and a peer credits only rounds it exchanged in (policy.after_exchange): a checkpoint of a "
-    "state it adopted by catch-up (planned out of the last round, or joined and caught up, then the swarm stopped: "
-    "final_checkpoint writes the held state) names nobody, so --resume --min-peers 2 trains alone after "
-    "--wait-peers-s, fresh user 50's fork",
-)
 async def test_a_checkpoint_of_a_state_caught_up_to_still_waits_for_the_swarm():
+    """A peer credits only the rounds it exchanged in (``policy.after_outer_step``): planned out of round 85, it caught
+    up to round 86 and the swarm stopped (``final_checkpoint`` writes the held state). Its checkpoint named nobody
+    (``Standing.trained_with`` read round 85 only), so ``--resume --min-peers 2`` trained alone after
+    ``--wait-peers-s``, fresh user 50's fork; the newest round of the ledger before it names the swarm now."""
     from geomesh_p2p.trust.standing import Standing
 
     me, other = _peers(2)
@@ -102,6 +100,7 @@ async def test_a_checkpoint_of_a_state_caught_up_to_still_waits_for_the_swarm():
         ledger.credit(r, [me.me, other.me])
     del me.swarm.records[other.me]  # the swarm stopped; me is restarted first, alone
     drv = me.driver(min_peers=2, wait_peers_s=3.0, clock=FakeClock())
+    assert ledger.trained_with(86, me.me) == (other.me,)
     drv._start, drv._resumed_with = (86, me.digest), ledger.trained_with(86, me.me)
     with events.capture("waiting_for_resumed") as held:
         try:
