@@ -70,3 +70,18 @@ async def test_a_rogue_announcing_a_mark_on_itself_takes_the_joiner_off_the_hold
     assert followed[lead] == x
     # wanted: the joiner's level and plan are the holders' whatever X says of itself
     assert (levels[j], followed[j]) == (levels[lead], x)
+
+
+def test_an_out_of_range_unled_until_is_a_malformed_record_and_the_cap_bars_only_its_peer():
+    """Negative, past 2**40 or not an integer: the record is refused by its schema (``dht.announce`` drops it with the
+    field and reason, the reads go on); the cap itself bars only the peer announcing it, at any round."""
+    from pydantic import ValidationError
+
+    _, recs = _peers(2)
+    for bad, why in ((-1, "greater than or equal to 0"), ((1 << 40) + 1, "less than or equal to"), ([3], "integer")):
+        with pytest.raises(ValidationError, match=why):
+            _at(recs[1], R + 1, unled_until=bad)
+    joiner = _node(recs, recs[0].peer_id, marks_from=None)
+    capped = _at(recs[1], R + 1, unled_until=1 << 40)
+    assert capped.unled_until == 1 << 40
+    assert joiner.penalties.announced_unled([_at(recs[0], R + 1), capped]) == {recs[1].peer_id}
