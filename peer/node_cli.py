@@ -29,7 +29,7 @@ from geomesh_p2p.util.aio import prestart_default_executor
 from geomesh_p2p.util.errors import StartInputError, UserFacingError
 from geomesh_p2p.util.malloc import LOW_MEMORY_MMAP_MIB, set_mmap_threshold
 from geomesh_p2p.model.presets import PRESETS
-from peer.path_checks import key_file_problem, writable_dir_problem
+from peer.path_checks import is_default_key, key_file_problem, writable_dir_problem
 
 # Defaults of --data-column / --data-max-bytes (kept in sync with geomesh_p2p.data.hub, which is
 # not imported here so that --help stays fast; tests/unit/test_cli.py checks they are equal).
@@ -388,7 +388,7 @@ def check_path_flags(ns: argparse.Namespace) -> None:
     d = getattr(ns, "checkpoint_dir", None)
     # a typed path makes no chain of folders (fresh user 50): --checkpoint-dir only its last, --identity none
     problem = (writable_dir_problem("--checkpoint-dir", d, parents=False) if d else None) or key_file_problem(
-        "--identity", ns.identity, make_folder=ns.identity == DEFAULT_IDENTITY
+        "--identity", ns.identity, make_folder=is_default_key(ns.identity, DEFAULT_IDENTITY)
     )
     if problem is not None:
         raise ValueError(problem)

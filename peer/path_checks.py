@@ -72,6 +72,17 @@ def _missing_folder(d: Path, what: str = "its folder") -> str:
     return f"{what} {d} does not exist"
 
 
+def is_default_key(path: str, default: str) -> bool:
+    """Whether ``path`` (an ``--identity`` value) names the ``default`` key file, typed or not: a shell expands
+    ``--identity ~/.geomesh/identity.key`` before the peer reads it, and that typed default's folder is made as the
+    default's is (red team 50b: compared as text, the expanded default was refused on a machine without ``~/.geomesh``,
+    exit 2). ``~NAME`` of nobody: not the default."""
+    try:
+        return path == default or Path(path).expanduser().absolute() == Path(default).expanduser().absolute()
+    except RuntimeError:
+        return False
+
+
 def key_file_problem(flag: str, path: str, *, make_folder: bool = True) -> Optional[str]:
     """Why ``path`` (a key file that is loaded, or created with its folders when absent) cannot be used, one line
     naming ``flag``, or None: a folder there, an unreadable file, or a folder it cannot be created in

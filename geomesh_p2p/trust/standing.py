@@ -169,8 +169,12 @@ class Standing:
 
     def trained_with(self, state_round: int, me: Optional[str]) -> tuple[str, ...]:
         """The other PeerIDs (sorted) credited at round ``state_round - 1``, the round that made a state of
-        ``state_round`` (a checkpoint's); empty when that round is not in the ledger or this peer trained it alone."""
-        ids = next((ids for r, ids in self._rounds if r == state_round - 1), frozenset())
+        ``state_round`` (a checkpoint's), or when that round is not in the ledger at the newest round before it that is
+        (a peer credits only the rounds it exchanged in: one planned out of the last rounds, or re-synced, caught up to
+        the swarm's state; red team 50b: its checkpoint named nobody and a ``--resume --min-peers 2`` trained alone);
+        empty when that round was trained alone (a lone round is credited too) or the ledger holds none before it."""
+        before = [(r, ids) for r, ids in self._rounds if r < state_round]
+        ids = max(before, key=lambda x: x[0])[1] if before else frozenset()
         return tuple(sorted(p for p in ids if p != me))
 
     def to_meta(self) -> dict:
