@@ -61,10 +61,14 @@ other peer, a no-show like any other (the owners refuse the pushes; no result li
 same budget and was late again (in, out, in: 4,3,3,2,3,2 rows a round in a 4-peer run). So every no-show is also
 *marked late* for ``LATE_MARK_ROUNDS`` rounds: it is planned at no more than ``plan.bounds.LATE_RATE_SHARE`` of the rate
 its plan of that round gave it (:func:`~geomesh_p2p.plan.bounds.late_ceiling`; followers accept a budget that low) and
-is no leader candidate. An established peer that delivered in the round before and holds no late mark is *not* benched
-for that miss: it stays planned, with the smaller budget. A miss while marked, a miss after a round without delivered
-work (a free rider that never delivers, a crashed peer) and a miss on probation bench it as before, and the mark then
-outlasts the bench. Every input is the plans and the part results every honest peer applied.
+is no leader candidate. A peer that delivered in the round before and holds no late mark is *not* benched for that
+miss: it stays planned, with the smaller budget. Since session 50 a newcomer on probation too (both newcomers of the e2e
+young swarm, each late once after a delivered round, were benched 10 rounds and never trained with the bootstrap peer
+in the same round): the round before is proven work, and it stays within its probation slot, owns no part, has its
+budget capped and counts in no quorum. A miss while marked and a miss after a round without delivered work (an identity
+that never delivers, a free rider, a crashed peer) bench it as before (``PROBATION_NOSHOW_PENALTY_ROUNDS`` on
+probation), and the mark then outlasts the bench. Every input is the plans and the part results every honest peer
+applied.
 """
 
 from __future__ import annotations

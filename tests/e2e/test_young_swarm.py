@@ -61,8 +61,9 @@ def test_three_peers_started_apart_with_min_peers_one_form_one_swarm(swarm):
     swarm.peer("c", "--rounds", str(ROUNDS), "--min-peers", "1", *SLOW, bootstrap=entry)
 
     # Through AFTER rounds after the merge: trained by each peer, or planned out (a newcomer's late push in its first
-    # rounds gets the probation no-show penalty, 10 rounds: session 47's suite run waited 46 s, rounds 12-21, for c's
-    # next row; those rounds, one lineage or not, are a's and b's rows, checked below all the same).
+    # rounds got the probation no-show penalty, 10 rounds: session 47's suite run waited 46 s, rounds 12-21, for c's
+    # next row; those rounds, one lineage or not, are a's and b's rows, checked below all the same). Since session 50
+    # a late newcomer that delivered the round before is marked late instead, and planned again at once.
     def settled() -> bool:
         rows = _rows(swarm, names)
         if not all(rows[n] for n in names):

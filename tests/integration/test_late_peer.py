@@ -4,7 +4,8 @@ An honest but slow peer whose pushes reach the owners after the parts closed is,
 contributors: a no-show. Benched for it, it came back with the same budget and was late again (rows per round
 4,3,3,2,3,2 in a 4-peer run). Now an established no-show that delivered the round before and holds no late mark stays
 planned at half the rate its plan gave it, for ``LATE_MARK_ROUNDS`` rounds, and is no leader candidate meanwhile; a
-miss while marked, after a round without delivered work, or on probation benches it as before. Unit tests of the
+miss while marked or after a round without delivered work benches it as before (on probation too, since session 50:
+test_late_newcomer50.py). Unit tests of the
 round rules with fake records and part results (counts and budgets, no timing)."""
 
 from __future__ import annotations
@@ -142,8 +143,14 @@ def test_a_free_rider_a_probation_peer_and_a_peer_without_evidence_are_benched_a
     marked = SimpleNamespace(
         round=R, participants=plan.participants, probation=lambda: [ids[1]], assignments=plan.assignments
     )
-    pen.note_no_shows(marked, _ar(plan, {ids[1]}), delivered_before=ids)
+    pen.note_no_shows(marked, _ar(plan, {ids[1]}), delivered_before=ids[2:])
     assert pen.noshows()[ids[1]] == R + pb.PROBATION_NOSHOW_PENALTY_ROUNDS
+    # on probation but delivered the round before: graced as an established peer (session 50, test_late_newcomer50)
+    newcomer = SimpleNamespace(
+        round=R, participants=plan.participants, probation=lambda: [ids[3]], assignments=plan.assignments
+    )
+    pen.note_no_shows(newcomer, _ar(plan, {ids[3]}), delivered_before=ids)
+    assert ids[3] not in pen.noshows() and ids[3] in pen.late_marks()
 
 
 def test_this_peer_late_takes_on_the_mark_not_the_bench():

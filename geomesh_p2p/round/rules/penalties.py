@@ -3,8 +3,8 @@
 candidates) for ``probation.noshow_penalty_rounds`` rounds, and this peer's own failures, taken on by
 itself so that its plans and checks agree with the others'. Every no-show is also marked late
 (``probation.LATE_MARK_ROUNDS`` rounds planned at a smaller rate, :meth:`Penalties.late_ceilings`, and no leader
-candidate); an established one that delivered the round before and was not marked stays planned instead of benched
-(an honest peer whose pushes came after the parts closed gets less work, not a bench). A round that aggregated no token anywhere
+candidate); one that delivered the round before and was not marked stays planned instead of benched, on probation or
+not (an honest peer whose pushes came after the parts closed gets less work, not a bench). A round that aggregated no token anywhere
 concludes nothing (:func:`conclusive`): under overload every peer's view of it differs, and marks taken from
 those views split the swarm (issue 25, 32 processes on 2 cores).
 """
@@ -321,7 +321,7 @@ class Penalties:
         * a participant in no part's contributors (``stalled``: it pushed nothing in time, whatever its own
           view of the parts): they mark it a no-show (:meth:`note_no_shows`), refuse its plans and do not
           plan it; marked in its own view too, it does not lead meanwhile (leader_candidates' ``barred``); or, late
-          but established, in ``delivered_before`` and not marked late (:meth:`note_no_shows`), only marked late.
+          but in ``delivered_before`` and not marked late (:meth:`note_no_shows`), only marked late.
 
         The driver calls it alone (``stalled=True``) for a round this peer was stalled through: its view
         of the others is void then, its own failures are real for everyone. Otherwise nothing is taken on
@@ -393,8 +393,8 @@ class Penalties:
     def note_no_shows(self, plan, ar, delivered_before: Optional[Collection[str]] = None) -> None:
         """Participants of ``plan`` in no aggregate this node applied are marked late for ``probation.
         LATE_MARK_ROUNDS`` rounds (:meth:`late_ceilings`; no leader candidates meanwhile) and, unless graced, not
-        planned for ``probation.noshow_penalty_rounds`` rounds. Graced (planned, with the late ceiling): an
-        established participant in ``delivered_before`` (the peers that delivered in round ``plan.round - 1``,
+        planned for ``probation.noshow_penalty_rounds`` rounds. Graced (planned, with the late ceiling): a
+        participant, on probation or not (session 50), in ``delivered_before`` (the peers that delivered in round ``plan.round - 1``,
         :meth:`~geomesh_p2p.round.rules.planning.PlanRules.delivered_evidence`) that holds no late mark nor bench.
         Every honest peer applied the same plans and aggregates, so honest leaders agree. Nothing is concluded
         when no part had a result, nor when no part aggregated a token (:func:`conclusive`)."""
@@ -430,12 +430,16 @@ class Penalties:
     def _mark_late(self, plan, pid: str, pen: dict, delivered_before: Optional[Collection[str]]) -> bool:
         """Mark participant ``pid`` of ``plan``, which contributed to no part, late (see :meth:`note_no_shows`), and
         return whether it is graced (not benched). The mark lasts ``LATE_MARK_ROUNDS`` rounds past the bench it gets
-        (none when graced); its ceiling is :func:`~geomesh_p2p.plan.bounds.late_ceiling` of the rate ``plan`` gave it
+        (none when graced, on probation or not); its ceiling is :func:`~geomesh_p2p.plan.bounds.late_ceiling` of the rate ``plan`` gave it
         (0, no ceiling, from a plan that gave it no compute: the mark still bars it from leading and from a grace)."""
         marks = self.late_marks()
         held = marks.get(pid)
         on_probation = pid in set(plan.probation())
-        graced = not on_probation and pid in (delivered_before or ()) and held is None and pid not in pen
+        # a newcomer on probation is graced as an established peer is (session 50: both newcomers of the e2e young swarm,
+        # each late once after a delivered round, were benched 10 rounds): delivered_before is proven work, which an
+        # identity that never delivers lacks, and the mark benches its next miss; its slot, part bar, budget cap and
+        # quorum exclusion stay (the plan's probation marking, which every peer reads alike)
+        graced = pid in (delivered_before or ()) and held is None and pid not in pen
         bench = 0 if graced else pb.noshow_penalty_rounds(on_probation)
         a = next((a for a in getattr(plan, "assignments", ()) if a.peer_id == pid), None)
         held_c = held[1] if held is not None and held[1] > 0 else None
