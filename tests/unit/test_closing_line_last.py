@@ -40,7 +40,7 @@ async def test_the_closing_line_comes_after_the_last_rounds_tending_lines(monkey
             else SwarmEnded(round=3, swarm_round=3, synced=how == "synced", why="every other peer left the run")
         )
 
-        async def run(self, known_round: int = 0, written_by=None) -> None:
+        async def run(self, known_round: int = 0, written_by=None, resumed_with=()) -> None:
             node.verified.task = asyncio.ensure_future(tending())  # the last round's, started as its row went out
 
     monkeypatch.setattr(node, "start", nothing)
