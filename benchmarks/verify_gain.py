@@ -51,7 +51,9 @@ import argparse
 import copy
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,6 +63,9 @@ from geomesh_p2p.model.build import build_model, flat_params, load_flat_
 from geomesh_p2p.model.optim import OuterNesterov
 from geomesh_p2p.model.training import InnerTrainer
 from geomesh_p2p.trust.gain import row_losses, welch_t
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.poison import PartialData  # noqa: E402  (the partial-work free rider the tests use too)
 
 CANDIDATES = ("honest", "wrong-data", "poison-corpus", "poison-assigned", "stale")
 PARTIAL = (0.05, 0.25, 0.5)  # shares of its batches a partial-work candidate trains (it claims all H)
@@ -96,23 +101,6 @@ class PoisonedData:
         x = x.clone()
         x[:, :n] = reps
         return x
-
-
-class PartialData:
-    """A dataset stand-in whose step ``k`` is the wrapped dataset's step ``steps[k]``: a trainer run for
-    ``len(steps)`` inner steps trains exactly those of its assigned batches, in order (a partial-work free rider that
-    trains some of its batches and claims all of them; red team, session 15)."""
-
-    def __init__(self, ds, steps: list[int]):
-        self.ds, self.steps = ds, steps
-
-    def __getattr__(self, name):
-        return getattr(self.ds, name)
-
-    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
-        return self.ds.sample_batch(
-            seed=seed, peer_id=peer_id, round=round, step=self.steps[step], batch_size=batch_size, seq_len=seq_len
-        )
 
 
 def rule_table(path: str, draws: int, seed: int = 0) -> None:

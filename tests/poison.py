@@ -107,3 +107,20 @@ def backdoor_metrics(model, dataset, trigger: Sequence[int], *, contexts: int = 
     finally:
         model.train(was)
     return {"trigger_ppl": math.exp(sum(losses) / len(losses)), "completion_p": sum(probs) / len(probs)}
+
+
+class PartialData:
+    """A dataset stand-in whose inner step ``k`` is the wrapped dataset's step ``steps[k]``: a trainer run for
+    ``len(steps)`` inner steps trains exactly those of its assigned batches, in order (a partial-work free rider that
+    trains some of its batches and claims all of them; red team, session 15; issue 28, session 50)."""
+
+    def __init__(self, ds, steps: list[int]):
+        self.ds, self.steps = ds, steps
+
+    def __getattr__(self, name):
+        return getattr(self.ds, name)
+
+    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
+        return self.ds.sample_batch(
+            seed=seed, peer_id=peer_id, round=round, step=self.steps[step], batch_size=batch_size, seq_len=seq_len
+        )

@@ -16,6 +16,7 @@ import torch
 from geomesh_p2p.exchange import codec as compression
 from geomesh_p2p.trust import gain as G
 from geomesh_p2p.trust.verify_task import CONTROL_STREAM
+from tests.poison import PartialData
 
 L, B, H, ROUND = 64, 8, 10, 1
 
@@ -33,21 +34,6 @@ def test_welch_t_exact_values():
 #: partial-work candidates: the steps of its H = 10 each trains (claiming all 10): the red team's last step only (10%
 #: of the work), and a quarter (3 of 10, the last settled one and two the gain test's last 4 steps hold)
 PARTIAL = {"partial-last": [9], "partial-quarter": [5, 7, 8]}
-
-
-class _Only:
-    """The dataset with step k mapped to ``steps[k]``: a trainer run ``len(steps)`` steps trains exactly those."""
-
-    def __init__(self, ds, steps: list[int]):
-        self.ds, self.steps = ds, steps
-
-    def __getattr__(self, name):
-        return getattr(self.ds, name)
-
-    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
-        return self.ds.sample_batch(
-            seed=seed, peer_id=peer_id, round=round, step=self.steps[step], batch_size=batch_size, seq_len=seq_len
-        )
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +69,7 @@ def world():
             m = copy.deepcopy(a.model)
             load_flat_(m, theta)
             t = InnerTrainer(
-                m, _Only(ds, steps), seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id="A"
+                m, PartialData(ds, steps), seq_len=L, lr=1e-3, warmup_steps=20, total_steps=2000, seed=0, peer_id="A"
             )
             t.load_state_dict(copy.deepcopy(a.state_dict()))
             t.run(round=ROUND, inner_steps=len(steps), batch_size=B)

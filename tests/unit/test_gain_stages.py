@@ -19,7 +19,7 @@ import torch
 from geomesh_p2p.trust import verify_check as VC
 from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.gain_stages import disagreement, stage_bounds
-from tests.poison import PoisonedCorpus, trigger_ids
+from tests.poison import PartialData, PoisonedCorpus, trigger_ids
 from tests.verify_util import Counting, _fixed_identity, _packets, _plan, _train_round, world_fixture
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,21 +160,6 @@ def test_a_reference_of_an_odd_number_of_batches_is_measured_whole(world, contri
     assert passes == whole_passes == 48 + 2 * 5 + 16  # the reference: 5 + 5 + 16 (controls kept)
 
 
-class _Only:
-    """The dataset with step k mapped to ``steps[k]``: ``len(steps)`` inner steps train exactly those batches."""
-
-    def __init__(self, ds, steps: list[int]):
-        self.ds, self.steps = ds, steps
-
-    def __getattr__(self, name):
-        return getattr(self.ds, name)
-
-    def sample_batch(self, *, seed, peer_id, round, step, batch_size, seq_len):
-        return self.ds.sample_batch(
-            seed=seed, peer_id=peer_id, round=round, step=self.steps[step], batch_size=batch_size, seq_len=seq_len
-        )
-
-
 @pytest.mark.parametrize("trained", [[9], [7, 8, 9]], ids=["last step", "last quarter"])
 def test_partial_work_does_not_pass_the_screen_staged_or_whole(world, trained):
     """Session 50: A trains only its last ``trained`` steps of 10 (the red team's way: the cheapest batches to train
@@ -186,7 +171,7 @@ def test_partial_work_does_not_pass_the_screen_staged_or_whole(world, trained):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        partial = _train_round(world.base, _Only(world.ds, trained), world.theta, world.b_state, len(trained), a)
+        partial = _train_round(world.base, PartialData(world.ds, trained), world.theta, world.b_state, len(trained), a)
     finally:
         torch.set_num_threads(threads)
     for cfg in (CFG, WHOLE):
