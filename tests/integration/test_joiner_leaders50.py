@@ -134,6 +134,20 @@ async def _follow(store: PlanStore, r: int, cands: list[str], accept, plan_timeo
     )
 
 
+async def _follow_as(node, store: PlanStore, plan_r, members, live, me: str) -> tuple[frozenset, object]:
+    """``node`` (peer ``me``) follows round ``R + 1`` as the driver would: its leader candidates, the level of
+    ``plan_r`` (round R's plan) they give, the plans of that level's other candidates it accepts. Returns the level and
+    the leader it followed (None: no plan)."""
+    cands = node.leader_candidates(members, live)[1]
+    took = last_round_leaders(plan_r, R + 1, cands)
+
+    def accept(plan):
+        return lead_problem(plan, took) or node.plan_problem(plan, live)
+
+    got = await _follow(store, R + 1, [c for c in cands if c in took and c != me], accept)
+    return took, (got.leader if got is not None else None)
+
+
 @pytest.mark.parametrize("honest_publishes", [True, False])
 async def test_a_rogue_succeeding_itself_does_not_take_the_joiner_away_from_the_honest_plan(honest_publishes):
     """L led round R with X and H; H was late in it (marked, and announces it). L publishes round R + 1's plan
@@ -161,16 +175,8 @@ async def test_a_rogue_succeeding_itself_does_not_take_the_joiner_away_from_the_
         assert await PlanStore(dht.view(), idents[1], RUN.run_id).publish(honest)
     followed = {}
     for p, node in [(x, nodes[x]), (h, nodes[h]), (j, joiner)]:
-        cands = node.leader_candidates(members, live)[1]
-        took = last_round_leaders(plan_r, R + 1, cands)
+        store = PlanStore(dht.view(), idents[ids.index(p)], RUN.run_id)
+        took, followed[p] = await _follow_as(node, store, plan_r, members, live, p)
         assert took == frozenset({x, h}), p  # X is a candidate of each: L may not succeed itself
         assert lead_problem(rogue, took) is not None and lead_problem(honest, took) is None
-        store = PlanStore(dht.view(), idents[ids.index(p)], RUN.run_id)
-        pool = [c for c in cands if c in took and c != p]
-
-        def accept(plan, node=node, took=took):
-            return lead_problem(plan, took) or node.plan_problem(plan, live)
-
-        got = await _follow(store, R + 1, pool, accept)
-        followed[p] = got.leader if got is not None else None
     assert followed == ({x: x, h: x, j: x} if honest_publishes else {x: None, h: None, j: None})

@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 
 from geomesh_p2p.plan.agree import PlanStore
-from geomesh_p2p.round.planning import last_round_leaders, lead_problem
-from tests.integration.test_joiner_leaders50 import _at, _follow, _peers
+from tests.integration.test_joiner_leaders50 import _at, _follow_as, _peers
 from tests.integration.test_late_peer import RUN, R, _ar, _next_round, _node
 from tests.unit.test_round import MemoryDHT
 
@@ -55,17 +54,8 @@ async def test_a_rogue_announcing_a_mark_on_itself_takes_the_joiner_off_the_hold
         )
     followed, levels = {}, {}
     for p, node in [(lead, holders[lead]), (j, joiner)]:
-        cands = node.leader_candidates(members, live)[1]
-        took = last_round_leaders(plan_r, R + 1, cands)
-        levels[p] = took
         store = PlanStore(dht.view(), idents[ids.index(p)], RUN.run_id)
-        pool = [c for c in cands if c in took and c != p]
-
-        def accept(plan, node=node, took=took):
-            return lead_problem(plan, took) or node.plan_problem(plan, live)
-
-        got = await _follow(store, R + 1, pool, accept)
-        followed[p] = got.leader if got is not None else None
+        levels[p], followed[p] = await _follow_as(node, store, plan_r, members, live, p)
     assert levels[lead] == frozenset({x})  # the holders' level: X only (L led round R)
     assert followed[lead] == x
     # wanted: the joiner's level and plan are the holders' whatever X says of itself
