@@ -99,6 +99,18 @@ def _peer_count(peers: list[dict]) -> str:
     return f"{len(peers)} (" + ", ".join(f"{n} {s}" for s, n in states.most_common()) + ")"
 
 
+def _peer_state(p: dict) -> str:
+    """A peer row's state, with what the others may not see in it (fresh user 51): ``training, other plan r22``
+    (its last summarised round ran another leader's plan than most reporters, or it trained alone) and ``no lead
+    to r30`` (a late mark or no-show bench it announces on itself)."""
+    notes = [p["state"]]
+    if p.get("other_plan"):
+        notes.append(f"other plan r{p['last_round']}")
+    if p.get("marked_until") is not None:
+        notes.append(f"no lead to r{p['marked_until']}")
+    return ", ".join(notes)
+
+
 def render_status(view: dict, rounds: dict, console=None) -> None:
     """The swarm as rich tables: a header line, the peers, the last rounds."""
     from rich.console import Console
@@ -151,7 +163,7 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
             _fmt(p["up_mbps"]),
             _fmt(p["down_mbps"]),
             str(p["round"]),
-            Text(p["state"]),
+            Text(_peer_state(p)),
             "-" if p.get("batch") is None else f"{p['batch']}/{p['inner_steps']}",
             f"{p['last_seen_s']:.0f} s",
         )
@@ -175,13 +187,16 @@ def render_status(view: dict, rounds: dict, console=None) -> None:
         r = Table(
             show_header=True, header_style="bold", box=None, pad_edge=False, title="last rounds", title_justify="left"
         )
-        for col in ("round", "peers", "loss", "eval ppl", "tokens/s", "strag%", "net%", "KB sent/peer", "digests"):
+        cols = ("round", "peers", "plans", "loss", "eval ppl", "tokens/s", "strag%", "net%", "KB sent/peer", "digests")
+        for col in cols:
             r.add_column(col, justify="right")
         for x in rows[-5:]:
             agree = {True: "equal", False: "MISMATCH", None: "-"}[x.get("digest_agree")]
             r.add_row(
                 str(x["round"]),
                 str(x["peers"]),
+                # the leaders the reporters followed: over 1, the round split (fresh user 51)
+                "-" if not x.get("leaders") else (f"{x['leaders']} SPLIT" if x["leaders"] > 1 else "1"),
                 _fmt(x.get("loss"), 3),
                 _fmt(x.get("eval_ppl"), 2),
                 _fmt(x.get("tokens_per_s"), 0),

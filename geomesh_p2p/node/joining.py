@@ -330,8 +330,11 @@ async def check_swarm(node: PeerNode, mine: Optional[PeerRecord] = None, remembe
     detail = check_compatible(mine, other)
     if other.run_config and other.run_config_hash != node.config_hash:
         detail = "; ".join(config_differences(node.run_cfg.model_dump(), other.run_config)) or detail
+    # what to do, as the remembered-config refusal says it (fresh user 51: the fields alone left them guessing)
     raise IncompatibleSwarmError(
-        f"the {len(others)} live peer(s) of run {node.run_cfg.run_id!r} use another run config: {detail}"
+        f"the {len(others)} live peer(s) of run {node.run_cfg.run_id!r} use another run config: {detail}; join "
+        "with the swarm's values (the flags or --config of those fields), or give another --run-id to start a "
+        "swarm of your own"
     )
 
 

@@ -235,6 +235,12 @@ def _state(
     return "training"
 
 
+def _top_leader(rows) -> str:
+    """The leader most of ``rows`` (RoundSummary s of one round) name (the largest id among equals)."""
+    leaders = Counter(x.leader for x in rows)
+    return max(leaders.items(), key=lambda kv: (kv[1], kv[0]))[0]
+
+
 class SwarmWatcher:
     """Reads a run's records through ``node`` (:meth:`refresh`, or :meth:`start` to poll every
     ``poll_s`` seconds) and serves the last view as JSON bytes (:meth:`swarm_json`, :meth:`rounds_json`).
@@ -388,12 +394,29 @@ class SwarmWatcher:
         recent = [_median([x.round_s for x in self._history[r].values()]) or 0.0 for r in sorted(self._history)[-3:]]
         return max([plan.window_s if plan is not None else 0.0, *recent])
 
+    def _last_followed(self, peer_id: str) -> Dict[str, Any]:
+        """``last_round`` (the newest round ``peer_id`` summarised, or None), ``last_leader`` (the short id of the
+        leader whose plan it ran then) and ``other_plan`` (True when that leader is not the one most reporters of the
+        round ran: it followed another plan, or trained alone; fresh user 51: three peers listed as ``training``
+        with equal digests while one of them refused the others' plans for 10 rounds)."""
+        for r in sorted(self._history, reverse=True):
+            row = self._history[r].get(peer_id)
+            if row is not None:
+                top = _top_leader(self._history[r].values())
+                return {
+                    "last_round": r,
+                    "last_leader": clean_text(row.leader, 10),
+                    "other_plan": len(self._history[r]) > 1 and row.leader != top,
+                }
+        return {"last_round": None, "last_leader": None, "other_plan": False}
+
     def _build(self, now, peers: List[PeerRecord], ignored: int, current, plan, members) -> Dict[str, Any]:
         assign = {a.peer_id: a for a in plan.assignments} if plan is not None else {}
         round_s = self._round_s(plan)
         rows = []
         for r in peers:
             a = assign.get(r.peer_id)
+            last = self._last_followed(r.peer_id)
             rows.append(
                 {
                     "peer_id": r.peer_id,
@@ -411,6 +434,13 @@ class SwarmWatcher:
                     "digest": clean_text(r.weights_digest[:8]) if r.weights_digest else None,
                     "batch": a.batch_size if a is not None else None,
                     "inner_steps": a.inner_steps if a is not None else None,
+                    # the marks it announces on itself (late or no-show bench: no leader through that round)
+                    "marked_until": (
+                        r.unled_until
+                        if type(r.unled_until) is int and current is not None and r.unled_until >= current
+                        else None
+                    ),
+                    **last,
                 }
             )
         rows.sort(key=lambda x: (x["state"] in ("leaving", "left"), x["peer_id"]))
@@ -480,13 +510,15 @@ class SwarmWatcher:
             elif any(x.agree for x in rows):
                 agree = True
             leaders = Counter(x.leader for x in rows)
+            # more than one: the reporters ran different plans of this round (a split, whatever the digests say)
             out.append(
                 {
                     "round": r,
                     "time": _median([x.time for x in rows]),
                     "reporters": len(rows),
                     "peers": int(_median([x.peers for x in rows]) or 0),
-                    "leader": clean_text(max(leaders.items(), key=lambda kv: (kv[1], kv[0]))[0], 10),
+                    "leader": clean_text(_top_leader(rows), 10),
+                    "leaders": len(leaders),
                     "loss": _median([x.loss for x in rows]),
                     "eval_ppl": _median([x.eval_ppl for x in rows]),
                     "tokens": tokens,

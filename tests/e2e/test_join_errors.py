@@ -129,6 +129,7 @@ def test_incompatible_run_config_is_refused_saying_what_differs(tmp_path):
         line = _one_line_error(r)
         assert "use another run config" in line
         assert "inner_lr: 0.0003 here vs 0.001 in the swarm" in line
+        assert "give another --run-id" in line  # and what to do about it (fresh user 51)
         # refused right after joining the DHT: no data loading, no device profiling first
         assert "tokens/s per batch" not in r.stdout + r.stderr
         # the same key in a second process (issue 14 #7): refused, naming where it already runs

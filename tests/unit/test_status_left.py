@@ -82,3 +82,32 @@ def test_the_view_uses_the_rounds_it_read_for_the_round_length():
     assert states == {"a-live": "training", "b-just-left": "leaving", "c-gone": "left", "d-old-round": "left"}
     # live peers first, then the leaving and left ones, each by PeerID
     assert [p["peer_id"] for p in view["peers"]] == ["a-live", "b-just-left", "c-gone", "d-old-round"]
+
+
+def test_a_peer_that_ran_another_plan_and_a_split_round_are_shown():
+    """Fresh user 51: a peer refused the others' plans and trained alone for 10 rounds while the table listed all
+    three as ``training`` with equal digests; now its row and the round's row say so."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from peer.tools_cli import render_status
+
+    w = SwarmWatcher(object(), "run")
+    peers = [_rec(n, round=23, age_s=1.0) for n in ("a", "b", "c")]
+    peers[2] = peers[2].model_copy(update={"unled_until": 30})
+    for r, leaders in ((21, "aaa"), (22, "aac")):  # round 22: c ran its own plan, a and b a's
+        w._history[r] = {n: _summary(r, 10.0).model_copy(update={"leader": ld}) for n, ld in zip("abc", leaders)}
+    view = w._build(NOW, peers, 0, 23, None, None)
+    got = {p["peer_id"]: (p["last_round"], p["last_leader"], p["other_plan"], p["marked_until"]) for p in view["peers"]}
+    assert got == {"a": (22, "a", False, None), "b": (22, "a", False, None), "c": (22, "c", True, 30)}
+    rounds = w._rounds_view()["rounds"]
+    assert [(x["round"], x["leader"], x["leaders"]) for x in rounds] == [(21, "a", 1), (22, "a", 2)]
+    # a mark that ended before the current round is not shown
+    assert w._build(NOW, peers, 0, 31, None, None)["peers"][2]["marked_until"] is None
+    buf = StringIO()
+    render_status(view, {"rounds": rounds}, Console(file=buf, width=200, color_system=None))
+    text = buf.getvalue()
+    assert "training, other plan r22, no lead to r30" in text
+    assert [ln.split()[:3] for ln in text.splitlines() if ln.strip().startswith("22 ")] == [["22", "2", "2"]]
+    assert "2 SPLIT" in text
