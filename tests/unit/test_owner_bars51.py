@@ -4,8 +4,12 @@ announced and when, and the run through a checkpoint and a re-sync. Plain rule o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
+
+from geomesh_p2p.node.training import record_state
 
 from geomesh_p2p.round.rules import Penalties, RoundState
 from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS
@@ -108,3 +112,17 @@ def test_the_record_field_is_bounded_and_absent_when_none():
     for bad in ({"": 3}, {"x" * 65: 3}, {X: -1}, {X: 1 << 41}, {f"{k}": 1 for k in range(MAX_OWNER_BARS + 1)}):
         with pytest.raises(ValidationError):
             _rec(A, bad)
+
+
+def test_the_record_names_the_map_only_while_in_sync_and_holding():
+    """``node.training.record_state``: a holder in sync names its map ({} when none); syncing, or not holding (planned
+    out of round 30), it names none, so its record is no vote."""
+    held = Penalties(RoundState(me=ME, round=R, digest="d"))
+    held.held_since(0)
+    held.owner = {X: 33}
+    for pen, syncing, want in ((held, False, {X: 33}), (held, True, None), (_out(), False, None)):
+        node = SimpleNamespace(resync=SimpleNamespace(syncing=syncing), round=R, digest="d", penalties=pen)
+        assert record_state(node)["owner_bars"] == want
+    held.owner = {}
+    node = SimpleNamespace(resync=SimpleNamespace(syncing=False), round=R, digest="d", penalties=held)
+    assert record_state(node)["owner_bars"] == {}
