@@ -144,8 +144,11 @@ class Penalties:
         the plan-outs. A failed owner is a missing part result, which no signed message proves absent, so the holders'
         word is taken, as a majority (one record one vote; each record is signed by its peer): a minority of rogue
         voters takes nothing and leaves the gap as before. The candidates of every view are unchanged (an owner
-        penalty bars no leader); what changes is that this peer's plans and checks bar the owners the holders bar. A
-        wrong majority costs a plan the holders refuse, never a plan followed by some and not others."""
+        penalty bars no leader); what changes is that this peer's plans and checks bar the owners the holders bar.
+        Honest holders of one state name one map, so a map other than theirs is taken only where rogue records are
+        more than half of the voters (all of them count, those naming none too: a rogue leader chooses who took part
+        in round r, not who its voters are); this peer's plans and checks then differ from the holders' as a blind
+        follower's did before."""
         r, me, digest = self.state.round, self.state.me, self.state.digest
         if r <= 0 or not digest or self.holds_owners(r):
             return None
