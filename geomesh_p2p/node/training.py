@@ -94,7 +94,8 @@ def record_capacity(node: PeerNode) -> dict:
 
 def record_state(node: PeerNode) -> dict:
     """The state fields of this peer's record: ``round``, ``weights_digest`` (None while syncing), ``unled_until`` (the
-    last round of the marks it holds on itself: ``Penalties.own_unled_until``) and ``last_plan``,
+    last round of the marks it holds on itself: ``Penalties.own_unled_until``), ``owner_bars`` (the owner penalties in
+    force when it holds them all: ``Penalties.owner_bars``) and ``last_plan``,
     the plan of round ``round - 1`` it obtained (:func:`~geomesh_p2p.round.last_plan.record_ref`: peers that did not
     obtain it take it by their voters' references), left out while it holds none or is syncing. A peer that ended
     alone on a state that is not the swarm's (:func:`~geomesh_p2p.node.report.disowned`) names neither: no fork's
@@ -104,11 +105,14 @@ def record_state(node: PeerNode) -> dict:
     # its marks on itself: what a follower without the history reads instead of marks it lacks (session 50)
     pen = getattr(node, "penalties", None)
     unled = pen.own_unled_until() if pen is not None else None
+    # the owner penalties it holds: what a peer planned out of one of their rounds takes from its voters (session 51)
+    bars = None if unsure or pen is None or pen.state.round != node.round else pen.owner_bars()
     return {
         "round": node.round,
         "weights_digest": None if unsure else node.digest,
         "last_plan": ref,
         "unled_until": unled,
+        "owner_bars": bars,
     }
 
 

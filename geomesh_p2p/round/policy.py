@@ -174,6 +174,10 @@ class NodeRoundPolicy:
             self.planning.standing_view(list(live.values())), [m.peer_id for m in members], barred=unled
         )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
+        # planned out of (or sat out) a round of the owner span: the owner penalties its voters hold (session 51)
+        took = self.penalties.take_owner_bars(live.values(), cands)
+        if took is not None:
+            log.info("round %d: this peer did not apply every round of the owner penalties in force; %s", r, took)
         if me not in cands or len(cands) < 2 or r <= 0:
             return members, cands
         gap = self.penalties.lead_gap(r)

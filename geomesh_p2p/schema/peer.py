@@ -27,6 +27,8 @@ MAX_RANKS = 64
 MAX_ATTESTED = 64
 #: Longest ``last_plan`` reference: a PeerID (base58, under 64 characters), "/", 64 hex digits. Characters.
 LAST_PLAN_REF_CHARS = 160
+#: Most owner penalties a record may state in ``owner_bars`` (a peer holding more announces none: no vote then).
+MAX_OWNER_BARS = 64
 
 
 class SyncProgress(BaseModel):
@@ -140,6 +142,26 @@ class PeerRecord(BaseModel):
         "what a follower that lacks the swarm's history reads instead; left out of the JSON when None",
     )
 
+    owner_bars: Optional[dict[str, int]] = Field(
+        default=None,
+        description="the owner penalties in force at `round` that this peer holds (PeerID -> last round it owns no "
+        "part: geomesh_p2p.round.rules.penalties), announced only while it holds every one (it applied, or took by "
+        "this vote, each of the last OWNER_PENALTY_ROUNDS rounds), {} when none: what a peer planned out of one of "
+        "those rounds takes from a majority of its voters (0.18.0, session 51); left out of the JSON when None",
+    )
+
+    @field_validator("owner_bars")
+    @classmethod
+    def _bounded_owner_bars(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        if v is not None and (
+            len(v) > MAX_OWNER_BARS
+            or any(not 1 <= len(k) <= 64 or type(u) is not int or not 0 <= u <= 1 << 40 for k, u in v.items())
+        ):
+            raise ValueError(
+                f"owner_bars: at most {MAX_OWNER_BARS} entries, names of 1..64 characters, rounds in [0, 2**40]"
+            )
+        return v
+
     @field_validator("tokens_per_s")
     @classmethod
     def _positive_throughput(cls, v: dict[int, float]) -> dict[int, float]:
@@ -181,7 +203,8 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan`` and ``unled_until`` are written
+        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan``, ``unled_until`` and
+        ``owner_bars`` are written
         only when set (not their defaults), so a record without them is byte for byte what a peer of the previous
         version wrote (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
@@ -191,6 +214,7 @@ class PeerRecord(BaseModel):
             ("rank_memory_bytes", None),
             ("last_plan", None),
             ("unled_until", None),
+            ("owner_bars", None),
         )
         absent = {k for k, v in defaults if getattr(self, k) == v}
         return self.model_dump_json(exclude=absent or None).encode()

@@ -52,7 +52,7 @@ def test_a_round_seen_but_not_applied_breaks_the_marks_on_others_not_those_on_it
     refused), and it checks plans without the low ends for MARK_SPAN_ROUNDS rounds."""
     pen = _pen(31)
     pen.held_since(0)
-    pen.applied = (0, 29)  # round 30: planned out, then re-synced to round 31
+    pen.applied = pen.owners_known = (0, 29)  # round 30: planned out, then re-synced to round 31
     pen.note_own_known(30)
     assert pen.holds(31, own=True) and not pen.holds(31, OWNER_PENALTY_ROUNDS)
     assert pen.lead_gap(31) == "it applied rounds 0-29 only, not each of rounds 26-30 (owner penalties)"

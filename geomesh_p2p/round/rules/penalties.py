@@ -11,12 +11,15 @@ those views split the swarm (issue 25, 32 processes on 2 cores).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from typing import Collection, Optional
+from collections import Counter
+from typing import Collection, Iterable, Optional
 
 from geomesh_p2p.plan.bounds import LateCeilings, late_ceiling, usable_rates
 from geomesh_p2p.round.rules.state import RoundState
+from geomesh_p2p.schema.peer import MAX_OWNER_BARS
 from geomesh_p2p.trust import probation as pb
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
@@ -67,6 +70,9 @@ class Penalties:
             joined, or restarted without ``--resume``, at a round past 0).
         own_known: (first, last) round of the unbroken run of rounds in which this peer knows the marks the others
             took on it (:meth:`note_own_known`: the rounds it applied, and those it saw the plan of and sat out).
+        owners_known: (first, last) round of the unbroken run of rounds whose owner penalties this peer holds: the
+            rounds it applied, and those a majority of its voters' records vouched for (:meth:`take_owner_bars`:
+            a round it was planned out of, session 51).
     """
 
     def __init__(self, state: RoundState, owner: dict[str, int] | None = None, noshow: dict[str, int] | None = None):
@@ -78,18 +84,20 @@ class Penalties:
         self.noted: dict[tuple[str, str], int] = {}
         self.applied: Optional[tuple[int, int]] = None
         self.own_known: Optional[tuple[int, int]] = None
+        self.owners_known: Optional[tuple[int, int]] = None
 
     def held_since(self, first: int) -> None:
         """Declare that this peer applied every round from ``first`` to the one before ``state.round`` (a test's
         rules built at a round; ``--resume`` of a checkpoint written before session 50: :meth:`restore`)."""
         last = self.state.round - 1
-        self.applied = self.own_known = (first, last) if 0 <= first <= last else None
+        self.applied = self.own_known = self.owners_known = (first, last) if 0 <= first <= last else None
 
     def note_applied(self, round: int) -> None:
         """This peer applied round ``round``'s part results (``after_exchange``, conclusive or not): it took every
         mark they give, on anyone. A round not noted (planned out, sat out, stalled, before it joined) breaks the
         run: the marks the others took then are unknown here."""
         self.applied = _extended(self.applied, round)
+        self.owners_known = _extended(self.owners_known, round)
         self.note_own_known(round)
 
     def note_own_known(self, round: int) -> None:
@@ -101,10 +109,67 @@ class Penalties:
         """Whether this peer holds, at ``round``, every mark taken in the ``span`` rounds before it (``own``: those on
         itself only): it applied (``own``: knows its own marks of) each of rounds ``round - span`` .. ``round - 1``
         (none before round 0). Marks older than ``MARK_SPAN_ROUNDS`` have ended everywhere."""
-        run = self.own_known if own else self.applied
-        if round <= 0:
-            return True
-        return run is not None and run[0] <= max(0, round - span) and run[1] >= round - 1
+        return _covers(self.own_known if own else self.applied, round, span)
+
+    def holds_owners(self, round: int) -> bool:
+        """Whether this peer holds, at ``round``, every owner penalty in force (taken in the ``OWNER_PENALTY_ROUNDS``
+        rounds before it): it applied each of them, or took those it did not apply by its voters
+        (:meth:`take_owner_bars`). ``applied`` too: a run set by hand (tests, :meth:`held_since`) is one."""
+        return _covers(self.owners_known, round, OWNER_PENALTY_ROUNDS) or self.holds(round, OWNER_PENALTY_ROUNDS)
+
+    def owner_bars(self) -> Optional[dict[str, int]]:
+        """The owner penalties in force this round (PeerID -> last round it owns no part, this peer's own included)
+        when it holds every one (:meth:`holds_owners`), for its record (``PeerRecord.owner_bars``: what a peer
+        planned out of one of those rounds takes, :meth:`take_owner_bars`); None when it does not, or holds more
+        than a record carries (``MAX_OWNER_BARS``: then nobody votes with its record)."""
+        r = self.state.round
+        if not self.holds_owners(r):
+            return None
+        # concluded in rounds r-5..r-1 only: round r's own conclusions (its exchange done, the record still at round r)
+        # are not yet the others' at round r, and two spellings of one round's map would split the vote
+        bars = {p: until for p, until in self.owner.items() if r <= until < r + OWNER_PENALTY_ROUNDS}
+        return bars if len(bars) <= MAX_OWNER_BARS else None
+
+    def take_owner_bars(self, records: Iterable, voters: Collection[str]) -> Optional[str]:
+        """Take the owner penalties in force this round from ``voters``' ``records`` (PeerRecords; the voters: this
+        peer's leader candidates, itself left out) when this peer does not hold them all (:meth:`holds_owners`: it was
+        planned out of, or sat out, one of the last ``OWNER_PENALTY_ROUNDS`` rounds, whose part results it never read).
+        Counted: the voters' records at this round and digest (a state made by the same rounds: their holders hold the
+        same owner penalties); taken: a map (``PeerRecord.owner_bars``) that more than half of them name, merged into
+        ``owner`` (this peer's own entry excepted: it knows its own marks) and those rounds' owner penalties held from
+        then on (``owners_known``). Returns one line for the log when taken, else None.
+
+        Why (red team 50, session 51): a peer planned out of round r lacked r's owner penalties and led nothing in
+        rounds r+1..r+5, so a rogue leader that planned out the peers ranked ahead of it kept the lead with a third of
+        the plan-outs. A failed owner is a missing part result, which no signed message proves absent, so the holders'
+        word is taken, as a majority (one record one vote; each record is signed by its peer): a minority of rogue
+        voters takes nothing and leaves the gap as before. The candidates of every view are unchanged (an owner
+        penalty bars no leader); what changes is that this peer's plans and checks bar the owners the holders bar.
+        Honest holders of one state name one map, so a map other than theirs is taken only where rogue records are
+        more than half of the voters (all of them count, those naming none too: a rogue leader chooses who took part
+        in round r, not who its voters are); this peer's plans and checks then differ from the holders' as a blind
+        follower's did before."""
+        r, me, digest = self.state.round, self.state.me, self.state.digest
+        if r <= 0 or not digest or self.holds_owners(r):
+            return None
+        who = set(voters) - {me}
+        at = [x for x in records if x.peer_id in who and x.round == r and x.weights_digest == digest]
+        named = Counter(_bars_key(x.owner_bars) for x in at if isinstance(getattr(x, "owner_bars", None), dict))
+        if not named:
+            return None
+        top, votes = named.most_common(1)[0]
+        if votes * 2 <= len(at):
+            return None
+        bars = {p: u for p, u in json.loads(top).items() if p != me and r <= u < r + OWNER_PENALTY_ROUNDS}
+        for p, until in bars.items():
+            if until > self.owner.get(p, -1):
+                self.owner[p] = until
+                self.noted[("owner", p)] = until - OWNER_PENALTY_ROUNDS  # the round that concluded it, as if applied
+        self.owners_known = _joined(self.owners_known, max(0, r - OWNER_PENALTY_ROUNDS), r - 1)
+        return (
+            f"{votes} of {len(at)} voters at this round and state name the owner penalties in force "
+            f"({len(bars)} on others): taken for rounds {max(0, r - OWNER_PENALTY_ROUNDS)}-{r - 1}"
+        )
 
     def lead_gap(self, round: int) -> Optional[str]:
         """Why this peer must not lead ``round`` from the marks it holds (None: it may): it does not know the marks
@@ -117,7 +182,7 @@ class Penalties:
                 f"it knows the marks the others took on it in {_span(self.own_known)}, not in each of "
                 f"rounds {max(0, round - MARK_SPAN_ROUNDS)}-{round - 1}"
             )
-        if not self.holds(round, OWNER_PENALTY_ROUNDS):
+        if not self.holds_owners(round):
             return (
                 f"it applied {_span(self.applied)}, not each of rounds "
                 f"{max(0, round - OWNER_PENALTY_ROUNDS)}-{round - 1} (owner penalties)"
@@ -153,6 +218,7 @@ class Penalties:
             # the rounds whose marks it holds (session 50): a resumed peer leads and checks plans as before its stop
             "applied": list(self.applied) if self.applied else None,
             "own_known": list(self.own_known) if self.own_known else None,
+            "owners_known": list(self.owners_known) if self.owners_known else None,
         }
 
     def restore(self, meta) -> None:
@@ -179,7 +245,7 @@ class Penalties:
             self.held_since(0)
             return
         # the runs end at the checkpoint's round at the latest (an edited file cannot make a round it never saw its own)
-        runs = {k: _run_ok(meta.get(k), self.state.round) for k in ("applied", "own_known")}
+        runs = {k: _run_ok(meta.get(k), self.state.round) for k in ("applied", "own_known", "owners_known")}
         bad = [k for k, v in runs.items() if v is None and meta.get(k) is not None]
         if bad:  # an edited or damaged file: said, not silent (red team 50: it cost 18 rounds of no leading unsaid)
             log.warning(
@@ -192,6 +258,7 @@ class Penalties:
         # every round applied is one whose own marks are known (note_applied): a dropped or shorter own_known run
         # takes the applied one (red team 50: a damaged own_known alone cost 18 rounds the file still showed)
         self.own_known = _covering(runs["own_known"], self.applied)
+        self.owners_known = _covering(runs["owners_known"], self.applied)  # the same rule: every applied round is one
 
     def _restorable(self, got: dict, valid, until_of, own_span: int) -> list:
         """The ``(peer id, value)`` items of a restored penalty map ``got`` that may be taken: ids of PeerID length,
@@ -307,6 +374,7 @@ class Penalties:
         if run is not None and run[1] >= round:
             self.own_known = _cut(self.own_known, round)
         self.applied = _cut(run, round)
+        self.owners_known = _cut(self.owners_known, round)  # the owner penalties noted since went above
         return sorted({pid for _, pid in gone})
 
     def note_own_failures(
@@ -470,6 +538,25 @@ def _extended(run: Optional[tuple[int, int]], round: int) -> tuple[int, int]:
     """``run`` (first, last round) with ``round`` added: extended when it follows on (or lies within), else a new run
     from ``round`` (the rounds between were not seen)."""
     return (run[0], max(run[1], round)) if run is not None and run[0] <= round <= run[1] + 1 else (round, round)
+
+
+def _covers(run: Optional[tuple[int, int]], round: int, span: int) -> bool:
+    """Whether ``run`` (first, last round) holds each of rounds ``round - span`` .. ``round - 1`` (none before 0)."""
+    return round <= 0 or (run is not None and run[0] <= max(0, round - span) and run[1] >= round - 1)
+
+
+def _joined(run: Optional[tuple[int, int]], first: int, last: int) -> Optional[tuple[int, int]]:
+    """``run`` with rounds ``first`` .. ``last`` added: their hull when they touch, else the later of the two."""
+    if last < first:
+        return run
+    if run is not None and run[0] <= last + 1 and first <= run[1] + 1:
+        return (min(run[0], first), max(run[1], last))
+    return run if run is not None and run[0] > last else (first, last)
+
+
+def _bars_key(bars: dict) -> str:
+    """One spelling of an owner-penalty map (a vote's key): JSON, keys sorted, rounds as ints."""
+    return json.dumps({str(p): int(u) for p, u in bars.items()}, sort_keys=True)
 
 
 def _span(run: Optional[tuple[int, int]]) -> str:
