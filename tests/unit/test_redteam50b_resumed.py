@@ -49,13 +49,6 @@ async def test_a_partner_back_ahead_is_caught_up_to_not_waited_for():
     assert held == [] and drv.ended is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team 50b (open): held_for_swarm holds while no other peer is in step (ids <= {me}), with no bound, "
-    "also when the awaited partner is live at the same round with another digest (policy.rejoin_state: a 1-1 tie, "
-    "no re-sync); both peers so resumed wait forever, each line saying 'Live now: <the partner>. Restart them ... "
-    "--resume' of a peer that is running",
-)
 async def test_a_partner_live_at_the_same_round_with_another_digest_does_not_hold_the_peer_forever():
     me, q = _peers(2)
     _at(me, 86, 0.25)
