@@ -121,7 +121,7 @@ def say_tie(drv: RoundDriver, tie: Tie) -> None:
         logging.INFO,
         "resumed_tie",
         "round %d: resumed on a checkpoint trained with others, and peers it trained with are live on another "
-        "state: %s, this peer's digest %s (one of the checkpoints is a fork). Peers on different states settle on the "
+        "state: %s, this peer's digest %s (a fork of the run, or a state behind). Peers on different states settle on the "
         "one most of them hold, then the later round, then the larger digest, as every peer computes it: %s",
         r,
         others,

@@ -3,9 +3,9 @@ checkpoint trained with others waits for them past ``--wait-peers-s``. What hold
 identity ends the wait at once; a partner ahead is caught up to (no hold). Fixed: a checkpoint of a state caught up to
 (planned out of the last round) named no peer of its swarm, so the hold did not apply (``Standing.trained_with``);
 ux50's ``--identity`` folder rule compared the path with the default as text, so the default typed out (the shell
-expands ``~``) was refused on a machine without ``~/.geomesh``. Open: a partner live at the same round with another
-digest (a 1-1 tie ``policy.rejoin_state`` does not break) holds the peer forever, its line naming the live partner as
-one to restart. Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
+expands ``~``) was refused on a machine without ``~/.geomesh``; a partner live at the same round with another digest
+(a 1-1 tie ``policy.rejoin_state`` did not break) held the peer for ever, its line naming the live partner as one to
+restart (session 51: round/tie.py settles the tie, bounded; tests/unit/test_resumed_tie.py). Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
 
 from __future__ import annotations
 
