@@ -41,7 +41,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from typing import Callable, Collection, Container, Iterable, Optional, Sequence
+from typing import Callable, Collection, Container, Iterable, Mapping, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -168,6 +168,18 @@ def digest_majority(
         return None, 0, 0
     digest, n = max(votes.items(), key=lambda kv: (kv[1], kv[0] != behind, kv[0]))
     return digest, n, sum(votes.values())
+
+
+def state_tie_winner(holders: Mapping[tuple[int, str], int]) -> tuple[int, str]:
+    """The state (round, digest) that peers on different states, none of them ahead by the vote, settle on: the one
+    most of them hold, then the later round, then the larger digest (:func:`digest_majority`'s break of a tie), so
+    every peer that counts the same records computes the same state. ``holders``: (round, digest) -> how many peers
+    hold it (this peer counted); not empty.
+
+    Why (red team 50b): two peers resumed from checkpoints of the same round with different digests (one of them a
+    fork) were a 1-1 tie that nothing broke: each waited for the other, for ever when each was held for the peers
+    of its checkpoint (``round.gather.held_for_swarm``). With this rule both sides agree which one moves."""
+    return max(holders.items(), key=lambda kv: (kv[1], kv[0][0], kv[0][1]))[0]
 
 
 #: A stored plan lives at least this long (seconds), and longer when its round lasts longer (:func:`plan_expiration`).

@@ -55,7 +55,8 @@ class SwarmEnded:
             peer announced leaving), ``"alone"`` (after its first round no other peer was live for
             ``wait_peers_s``), ``"digest_differs"`` (its last state is not the one the others hold),
             ``"finished_without"`` (a round it was planned out of ran, and its participants left before this peer
-            got their state: ``resync.hold_finished_round``).
+            got their state: ``resync.hold_finished_round``), ``"tie_lost"`` (resumed, it lost a tie with peers live on
+            another state and did not re-sync to it: ``round.tie``).
     """
 
     round: int

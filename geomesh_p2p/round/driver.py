@@ -210,6 +210,11 @@ class RoundDriver:
         self._seen_live: set[str] = set()
         #: monotonic seconds when the last "still waiting for them" line of a resumed peer was said (gather)
         self._held_logged: Optional[float] = None
+        #: the state (round, digest) a resumed peer first saw peers it trained with live on other states at, and when
+        #: (monotonic seconds): the start of its bounded wait (:func:`~geomesh_p2p.round.tie.resumed_tie`)
+        self._tie_seen: Optional[tuple[tuple[int, str], float]] = None
+        #: (this peer's state, the winning state) of the last ``resumed_tie`` line: said once per tie
+        self._tie_logged: Optional[tuple[tuple[int, str], tuple[int, str]]] = None
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()

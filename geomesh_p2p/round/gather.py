@@ -14,6 +14,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.probation import PROBATION_NOSHOW_PENALTY_ROUNDS, PROBATION_SYNC_WAIT_S
 from geomesh_p2p.round.context import Phase
 from geomesh_p2p.round.resync import end_run, leavers_of_round, left_alone, swarm_ended
+from geomesh_p2p.round.tie import TIE_LOSER_WAITS, resumed_tie, tie_lost
 
 if TYPE_CHECKING:
     from geomesh_p2p.round.driver import RoundDriver
@@ -187,9 +188,18 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                 )
             until = max([t0 + wait_s] + [ends[p] for p in waited])
             held = now > until and held_for_swarm(drv, ids, first=first, short=short)
-            if held:
+            tie = resumed_tie(drv, recs, now) if held else None
+            if tie is not None and not tie.won and now - tie.since >= TIE_LOSER_WAITS * drv.cfg.wait_peers_s:
+                tie_lost(drv, tie, now - tie.since)  # lost the tie, neither re-synced nor caught up: ends (exit 3)
+                return None
+            if tie is not None and tie.won:
+                # peers it trained with are live on a losing state: they re-sync to this one, waited for a bounded
+                # time (a re-sync announced with its progress is waited for by it, as any syncing peer's), then the
+                # timer's fallback: it trains, and they catch up to its later state (round/tie.py)
+                held = now - tie.since < drv.cfg.wait_peers_s
+            elif held and tie is None:
                 say_held(drv, recs, now - t0)
-            elif now > until or drv.stop.is_set():
+            if not held and (now > until or drv.stop.is_set()):
                 if short and not first and not drv.stop.is_set() and not any(x.peer_id != drv.me for x in recs):
                     # After the first round nobody else is live at all: the swarm is gone (its records
                     # may have vanished with its peers). Training on alone would fork the run.
@@ -246,19 +256,30 @@ def say_held(drv: RoundDriver, recs: list[PeerRecord], waited_s: float) -> None:
     drv._held_logged = now
     mine = list(drv._resumed_with)
     live = sorted(r.peer_id[:8] for r in recs if r.peer_id != drv.me)
+    # only a peer that is not running is asked to be restarted (red team 50b: the line asked to restart a live peer);
+    # a live one here is not in step yet (syncing past its wait: round/tie.py settles one live on another state)
+    gone = [p[:8] for p in mine if p[:8] not in live]
+    restart = (
+        "Restart them with the same flags plus --resume"
+        if len(gone) == len(mine)
+        else f"Restart {', '.join(gone)} with the same flags plus --resume (the others are live, not in step yet)"
+        if gone
+        else "They are live, not in step yet: no restart needed"
+    )
     events.emit(
         log,
         logging.INFO,
         "waiting_for_resumed",
         "round %d: resumed on a checkpoint trained with %d other peer(s) (%s); still waiting for them after %.0f s "
-        "(--min-peers %d): a resumed peer does not train alone. Live now: %s. Restart them with the same flags plus "
-        "--resume; to train on alone instead (a fork of the run), restart this peer with --min-peers 1",
+        "(--min-peers %d): a resumed peer does not train alone. Live now: %s. %s; to train on alone instead (a fork "
+        "of the run), restart this peer with --min-peers 1",
         drv.state.round,
         len(mine),
         ", ".join(p[:8] for p in mine),
         waited_s,
         drv.cfg.min_peers,
         ", ".join(live) or "none",
+        restart,
         peer=drv.me,
         round=drv.state.round,
         waiting_for=mine,

@@ -114,6 +114,10 @@ kind                         where                            fields
                                                               newest known: the bootstrap's or the leaving
                                                               peers' records'), bootstrap, bootstrap_round
 ``resumed_from_checkpoint``  node._resume_from                peer, round, digest
+``resumed_tie``              round.tie.resumed_tie (a resumed  peer, round, digest, others (PeerIDs live on
+                             peer held, peers it trained with  other states), winner_round, winner_digest,
+                             live on other states; once per    won
+                             tie)
 ``round_alone_skipped``      round.planning.agree (a plan of  peer, round, leader, left (the PeerIDs
                              this peer alone, the others      gathered that announced leaving)
                              left since the gather)
@@ -135,9 +139,10 @@ kind                         where                            fields
                                                               grant left), wait_s, misses, retry_round
 ``swarm_ended``              round.resync.end_run             peer, round, swarm_round, synced, cause
                                                               (``others_left`` | ``alone`` |
-                                                              ``digest_differs``); alone: waited_s,
-                                                              min_peers; digest_differs: others,
-                                                              majority_digest
+                                                              ``digest_differs`` | ``tie_lost``); alone:
+                                                              waited_s, min_peers; digest_differs: others,
+                                                              majority_digest; tie_lost: winner_round,
+                                                              winner_digest, others
 ``swarm_back``               node._on_empty_swarm             peer, run_id, peers (PeerIDs live again)
 ``waiting_for_late_peer``    round.gather.finishing_waits     peer, round, finishing_peer (still in the
                                                               last round), wait_s

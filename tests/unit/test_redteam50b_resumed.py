@@ -3,9 +3,9 @@ checkpoint trained with others waits for them past ``--wait-peers-s``. What hold
 identity ends the wait at once; a partner ahead is caught up to (no hold). Fixed: a checkpoint of a state caught up to
 (planned out of the last round) named no peer of its swarm, so the hold did not apply (``Standing.trained_with``);
 ux50's ``--identity`` folder rule compared the path with the default as text, so the default typed out (the shell
-expands ``~``) was refused on a machine without ``~/.geomesh``. Open: a partner live at the same round with another
-digest (a 1-1 tie ``policy.rejoin_state`` does not break) holds the peer forever, its line naming the live partner as
-one to restart. Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
+expands ``~``) was refused on a machine without ``~/.geomesh``; a partner live at the same round with another digest
+(a 1-1 tie ``policy.rejoin_state`` did not break) held the peer for ever, its line naming the live partner as one to
+restart (session 51: round/tie.py settles the tie, bounded; tests/unit/test_resumed_tie.py). Fakes of tests/unit/test_resumed_wait.py (virtual clock, no timing)."""
 
 from __future__ import annotations
 
@@ -49,13 +49,6 @@ async def test_a_partner_back_ahead_is_caught_up_to_not_waited_for():
     assert held == [] and drv.ended is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="red team 50b (open): held_for_swarm holds while no other peer is in step (ids <= {me}), with no bound, "
-    "also when the awaited partner is live at the same round with another digest (policy.rejoin_state: a 1-1 tie, "
-    "no re-sync); both peers so resumed wait forever, each line saying 'Live now: <the partner>. Restart them ... "
-    "--resume' of a peer that is running",
-)
 async def test_a_partner_live_at_the_same_round_with_another_digest_does_not_hold_the_peer_forever():
     me, q = _peers(2)
     _at(me, 86, 0.25)

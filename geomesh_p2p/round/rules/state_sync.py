@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 import torch
 
 from geomesh_p2p.net.swarm_time import swarm_time
-from geomesh_p2p.plan.agree import choose_plan
+from geomesh_p2p.plan.agree import choose_plan, state_tie_winner
 from geomesh_p2p.round.rules.planning import plan_horizon_s
 from geomesh_p2p.round.rules.state import RoundState
 from geomesh_p2p.sync import download as state_sync
@@ -688,7 +688,8 @@ class StateSync:
         * it is at this peer's round or an earlier one, with another digest (a later one: :meth:`behind`);
         * more live peers with standing here announce it than announce this peer's state, this peer counted:
           the minority side moves, never the majority (one peer claiming a state of its own, with fresh
-          identities beside it, moves nobody);
+          identities beside it, moves nobody); as many at this peer's round: the side whose digest loses the
+          tie (:func:`~geomesh_p2p.plan.agree.state_tie_winner`, the larger digest wins) moves;
         * for an earlier round, :meth:`_why_not_back` finds no reason to wait (no live peer at this peer's
           round or later, none of its backers would adopt this peer's state by its own vote).
 
@@ -708,7 +709,11 @@ class StateSync:
         voting = [r for r in live if vote.weights.get(r.peer_id, 0) > 0]
         backers = sum(1 for r in voting if (r.round, r.weights_digest) == (choice.round, choice.digest))
         mine = 1 + sum(1 for r in voting if (r.round, r.weights_digest) == (held_round, held_digest))
-        if backers <= mine:
+        # as many on each side: at the same round the tie goes to the larger digest, the break every peer computes
+        # alike (plan.agree.state_tie_winner), so exactly one side moves (red team 50b: two peers resumed on a 1-1
+        # tie each waited for the other for ever); at an earlier round this peer's later state wins (nobody moves)
+        ours = {(choice.round, choice.digest): backers, (held_round, held_digest): mine}
+        if backers < mine or state_tie_winner(ours) != (choice.round, choice.digest):
             return None
         if choice.round < held_round and self._why_not_back(choice, live, held_round, held_digest) is not None:
             return None
