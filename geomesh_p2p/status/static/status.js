@@ -67,6 +67,16 @@
       badge.textContent = p.state;
       st.textContent = "";
       st.appendChild(badge);
+      // what "training" alone hid from a fresh user (session 51): it ran another plan, or announces a mark on itself
+      var notes = [];
+      if (p.other_plan) notes.push("other plan r" + p.last_round);
+      if (p.marked_until !== null && p.marked_until !== undefined) notes.push("no lead to r" + p.marked_until);
+      if (notes.length) {
+        var note = document.createElement("span");
+        note.className = p.other_plan ? "bad" : "";
+        note.textContent = " " + notes.join(", ");
+        st.appendChild(note);
+      }
       cell(tr, p.batch === null ? "–" : p.batch + " / " + p.inner_steps, "num");
       cell(tr, ago(p.last_seen_s), "num");
       rows.appendChild(tr);
@@ -132,7 +142,8 @@
       var tr = document.createElement("tr");
       cell(tr, r.round, "num");
       cell(tr, r.peers, "num");
-      cell(tr, r.leader, "mono");
+      var ld = cell(tr, r.leaders > 1 ? r.leader + " +" + (r.leaders - 1) + " SPLIT" : r.leader, "mono");
+      if (r.leaders > 1) ld.className += " bad";  // the reporters ran several leaders' plans
       cell(tr, fmt(r.loss, 3), "num");
       cell(tr, fmt(r.eval_ppl, 2), "num");
       cell(tr, fmt(r.tokens_per_s, 0), "num");
