@@ -10,8 +10,8 @@ stale honest one) on another state ended the hold -- on a larger digest it made 
 smaller digest or an earlier round it made it train alone after ``--wait-peers-s`` (before tie51 both waited for
 the partners); a winner that left mid-wait and came back found the loser's wait already spent (it ended at once);
 a partner flipping its digest every read was said in one INFO line per read.
-Open (strict xfail): a 1-1-1 tie, whose losers neither re-sync nor catch up; a loser that re-synced to the winner
-is no longer held, and trains alone when the winner goes. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
+A loser that re-synced to the winner was no longer held, and trained alone when the winner went (fixed:
+``RoundDriver._rejoined_from_start``). Open (strict xfail): a 1-1-1 tie, whose losers neither re-sync nor catch up. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
 
 from __future__ import annotations
 
@@ -168,12 +168,6 @@ async def test_a_three_way_tie_ends_on_one_lineage(monkeypatch):
     assert moves == {a: (46, "c" * 16), b: (46, "c" * 16), c: None} and drv.ended is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a loser that re-synced to the winner's state is no longer at the state it resumed at "
-    "(held_for_swarm compares it with RoundDriver._start), so when the winner then goes it trains alone after "
-    "--wait-peers-s instead of waiting for the peers of its checkpoint",
-)
 async def test_a_loser_re_synced_to_the_winner_still_waits_when_the_winner_goes():
     winner, loser = _tied(TieBreaking)
     drv = _held(loser, winner)
