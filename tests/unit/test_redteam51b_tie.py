@@ -11,7 +11,8 @@ smaller digest or an earlier round it made it train alone after ``--wait-peers-s
 the partners); a winner that left mid-wait and came back found the loser's wait already spent (it ended at once);
 a partner flipping its digest every read was said in one INFO line per read.
 A loser that re-synced to the winner was no longer held, and trained alone when the winner went (fixed:
-``RoundDriver._rejoined_from_start``). Open (strict xfail): a 1-1-1 tie, whose losers neither re-sync nor catch up. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
+``RoundDriver._rejoined_from_start``). Open (strict xfail): a 1-1-1 tie, whose losers neither re-sync nor catch up;
+the re-sync of a tie lost downloads what a fresh vote backs, not the state the rule chose. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
 
 from __future__ import annotations
 
@@ -201,3 +202,21 @@ async def test_a_partner_flipping_its_digest_is_said_a_bounded_number_of_times()
     with events.capture("resumed_tie") as said:
         got = await _still_held(drv)
     assert got != "held" and len(said) <= 2, (got, len(said))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (low: a rogue with standing pulls the same peer by a later round already): the re-sync of a tie "
+    "lost (gather.rejoin -> RoundDriver.resync -> StateSync.catch_up) downloads what a fresh vote backs, not the "
+    "state rejoin_state chose; a rogue that announces a larger digest, then a smaller one, moves the peer onto a "
+    "state that loses the tie to its own",
+)
+async def test_the_re_sync_of_a_tie_lost_downloads_the_state_the_rule_chose(monkeypatch):
+    me, rogue = _pid(), _pid()
+    records = [_rec(rogue, round=46, digest="f" * 16, port=7001, attests={me: 32})]
+    node, downloads = _node(me, _ledger((me, rogue)), records, monkeypatch, round=46, digest="a" * 16)
+    target = node.rejoin_state(records)
+    assert target == (46, "f" * 16)
+    records[0] = _rec(rogue, round=46, digest="0" * 16, port=7001, attests={me: 32})  # swapped before the download
+    await node.catch_up()
+    assert downloads == [target]
