@@ -215,6 +215,10 @@ class RoundDriver:
         self._tie_seen: Optional[tuple[tuple[int, str], float]] = None
         #: (this peer's state, the winning state) of the last ``resumed_tie`` line: said once per tie
         self._tie_logged: Optional[tuple[tuple[int, str], tuple[int, str]]] = None
+        #: the state a resumed peer still at its start re-synced to in its start-up gather (gather.rejoin: a tie lost, a
+        #: majority of its partners elsewhere): held for the checkpoint's peers there too (gather.held_for_swarm)
+        self._rejoined_from_start: Optional[tuple[int, Optional[str]]] = None
+        self._tie_said_at = 0.0  # monotonic seconds of that line (round/tie.py: a changed winner, once per TIE_LOG_S)
         #: the (round, digest) states a start-up gather re-synced toward (:func:`~geomesh_p2p.round.gather.rejoin`):
         #: each is tried once, a catch-up that kept this peer's state is not repeated every read of the wait
         self._rejoin_tried: set[tuple[int, str]] = set()

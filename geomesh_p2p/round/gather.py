@@ -237,7 +237,7 @@ def held_for_swarm(drv: RoundDriver, ids: set[str], *, first: bool, short: bool)
         and short
         and drv.cfg.min_peers >= 2
         and bool(drv._resumed_with)
-        and (drv.state.round, drv.state.digest) == drv._start
+        and (drv.state.round, drv.state.digest) in (drv._start, drv._rejoined_from_start)
         and ids <= {drv.me}
         and not drv.stop.is_set()
     )
@@ -368,6 +368,11 @@ async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:
     await drv.resync(f"the live swarm holds the state of round {target[0]}")
     if (drv.state.round, drv.state.digest) == before:
         drv._confirmed_round = confirmed  # kept its state: nothing of it was discarded
+    elif before == drv._start and drv._resumed_with:
+        # resumed and held for its checkpoint's peers: re-synced to the state of those live (a tie lost: round/tie.py),
+        # it still waits for them there; without this, the winner gone, it trained alone after --wait-peers-s (red team
+        # 51b)
+        drv._rejoined_from_start = (drv.state.round, drv.state.digest)
     return True
 
 

@@ -39,6 +39,8 @@ log = logging.getLogger("geomesh_p2p.node.peer.round")
 #: winning state or for the winner to train on (it waits ``--wait-peers-s`` for the loser, then trains: a catch-up
 #: follows), then ends (exit 3): one wait for the winner's, one for its round, one for the catch-up to start.
 TIE_LOSER_WAITS = 3.0
+#: A tie whose winner changed (a record flipping between digests) is said again at most once per this many seconds.
+TIE_LOG_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -67,20 +69,25 @@ class Tie:
 
 
 def live_elsewhere(drv: RoundDriver, recs: list[PeerRecord]) -> list[PeerRecord]:
-    """The live records (not leaving; announcing a digest, i.e. not syncing) of other peers this resumed peer would
-    wait for -- the peers of its checkpoint (``_resumed_with``) or peers established in its view (standing: no fresh
-    identity ends a hold by announcing a digest) -- that hold another state than this peer's (round, digest)."""
+    """The live records (not leaving; announcing a digest, i.e. not syncing) of the peers of this resumed peer's
+    checkpoint (``_resumed_with``) that hold another state than this peer's (round, digest).
+
+    Only those: the hold is for them (red team 51b: a peer established here but not of the checkpoint -- a rogue
+    with standing, or a stale honest peer -- on a larger digest made the held peer end exit 3, ``tie_lost``, on a
+    smaller one or an earlier round made it train alone after ``--wait-peers-s``; before tie51 both waited for the
+    partners). Such a peer held for its own partners settles its side of the tie alone (it re-syncs by the policy's
+    vote, or trains and is caught up to)."""
     mine = (drv.state.round, drv.state.digest)
-    cands = [
+    partners = set(drv._resumed_with)
+    return [
         r
         for r in recs
-        if r.peer_id != drv.me and not r.leaving and r.weights_digest and (r.round, r.weights_digest) != mine
+        if r.peer_id in partners
+        and r.peer_id != drv.me
+        and not r.leaving
+        and r.weights_digest
+        and (r.round, r.weights_digest) != mine
     ]
-    if not cands:
-        return []
-    partners = set(drv._resumed_with)
-    est = drv.policy.standing_established_ids(recs, [r.peer_id for r in cands if r.peer_id not in partners])
-    return [r for r in cands if r.peer_id in partners or r.peer_id in est]
 
 
 def resumed_tie(drv: RoundDriver, recs: list[PeerRecord], now: float) -> Optional[Tie]:
@@ -89,6 +96,9 @@ def resumed_tie(drv: RoundDriver, recs: list[PeerRecord], now: float) -> Optiona
     first sight at a state starts its bounded wait and says so (one INFO line, ``resumed_tie``)."""
     others = live_elsewhere(drv, recs)
     if not others or drv.state.digest is None:
+        # no tie in view (the others went, or came in step): a tie seen again starts its bounded wait again (red
+        # team 51b: a winner that left mid-wait and came back found the loser's wait spent, and it ended at once)
+        drv._tie_seen = None
         return None
     mine = (drv.state.round, drv.state.digest)
     holders: Counter[tuple[int, str]] = Counter((r.round, str(r.weights_digest)) for r in others)
@@ -97,8 +107,11 @@ def resumed_tie(drv: RoundDriver, recs: list[PeerRecord], now: float) -> Optiona
     if drv._tie_seen is None or drv._tie_seen[0] != mine:
         drv._tie_seen = (mine, now)
     tie = Tie(mine=mine, winner=winner, others=tuple(others), since=drv._tie_seen[1])
-    if drv._tie_logged != (mine, winner):
-        drv._tie_logged = (mine, winner)
+    # said at first sight, and again when the winner changed, at most once per TIE_LOG_S (red team 51b: a partner
+    # re-announcing a larger, then a smaller digest flipped the winner every read: one line per read)
+    said = drv._tie_logged
+    if said is None or said[0] != mine or (said[1] != winner and now - drv._tie_said_at >= TIE_LOG_S):
+        drv._tie_logged, drv._tie_said_at = (mine, winner), now
         say_tie(drv, tie)
     return tie
 
