@@ -198,6 +198,17 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
             round=r,
             leader=held.plan.leader,
         )
+        note = getattr(getattr(drv, "policy", None), "note_recovered_plan", None)
+        if note is not None and drv.state.digest != held.plan.start_digest and note(held.plan):
+            # the plan made this state (its voters hold it) and named this peer, which ran none of it: the marks the
+            # others took on it there (fresh user 51)
+            log.info(
+                "round %d: round %d's plan named this peer, which ran none of it: it takes the marks the others "
+                "took on it then",
+                r,
+                r - 1,
+            )
+            drv._sat_out_taken = r
         return None
     if getattr(drv, "_doubt_said", None) != r:
         drv._doubt_said = r
@@ -234,6 +245,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # Without round r - 1's plan no rule of who may lead would apply here while it applies at the others: take the
     # plan their records name, or doubt (red team 47b, round/last_plan.py)
     doubt = await recover_last_plan(drv, r, live, candidates)
+    if getattr(drv, "_sat_out_taken", None) == r:  # its own marks of round r - 1 taken just now: who may lead moved
+        drv._sat_out_taken = None
+        members, candidates = drv.policy.leader_candidates(ctx.members, live)
     judged = list(candidates)  # in doubt, each plan named is judged over these, as took would be over it
     took = last_round_leaders(drv._plan_seen, r, candidates)
     # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
