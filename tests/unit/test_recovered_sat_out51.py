@@ -123,3 +123,60 @@ async def test_the_driver_takes_the_marks_of_a_recovered_plan_naming_it_only_whe
         assert len(got) == 1 and drv._plan_seen.to_bytes() == plan.to_bytes()
         assert getattr(drv, "_sat_out_taken", None) == (3 if moved else None)
         assert (pid["A"] in rules.penalties.unled()) is moved
+
+
+def _ledger(rounds: list[tuple[int, list[str]]]):
+    from geomesh_p2p.trust.standing import Standing
+
+    s = Standing()
+    for r, ids in rounds:
+        s.credit(r, ids)
+    return s
+
+
+def _records(ledgers: dict) -> list:
+    """The records of the peers of ``ledgers`` (peer id -> Standing), each attesting its ledger's standings."""
+    return [
+        SimpleNamespace(peer_id=p, standing=s.attestations(exclude=p, own=True), address="127.0.0.1:1")
+        for p, s in ledgers.items()
+    ]
+
+
+def test_round_20_a_newcomer_on_probation_is_no_last_resort_while_an_established_peer_may_lead():
+    """Round 20 of the trial, the first divergence. p1 held the whole standing window, p3 resumed at round 8 and
+    rejoined at 12 (rounds 8-12 missed), p4 joined at 17 and delivered in 18 and 19. p1 led 19, so it may not lead
+    20 while p3, who took part, may; p3 left itself out (``Penalties.lead_gap``: it cannot know the marks of rounds
+    8-11 on itself); both non-candidates, p3 and p4, were last resorts, and p4's plan came first. p1 refused it
+    (``on probation here (standing 2 of the 3 rounds needed to lead)``), p3 followed it (plausible: 2 + 5 missed).
+    Now p4 publishes none while an established peer may lead, and p3's last-resort plan is one p1 accepts."""
+    from geomesh_p2p.round.planning import last_resort
+    from geomesh_p2p.trust.probation import marking_problem
+
+    full = [(t, [P1, P3] + ([P4] if t >= 18 else [])) for t in range(20)]
+    ledgers = {
+        P1: _ledger(full),
+        P3: _ledger([x for x in full if not 8 <= x[0] <= 12]),
+        P4: _ledger([x for x in full if x[0] >= 18]),
+    }
+    p1, p3, p4 = (make_rules(me=p, round=20, standing=ledgers[p]) for p in (P1, P3, P4))
+    recs = _records(ledgers)
+    led_by_p4 = SimpleNamespace(leader=P4, participants=lambda: [P1, P3, P4], assignments=[])
+    live = [P1, P3, P4]
+    assert marking_problem(led_by_p4, p1.planning.standing_view(recs), live) == (
+        f"its leader {P4[:10]} is on probation here (standing 2 of the 3 rounds needed to lead)"
+    )
+    assert marking_problem(led_by_p4, p3.planning.standing_view(recs), live) is None  # the divergence
+    led_by_p3 = SimpleNamespace(leader=P3, participants=lambda: [P1, P3, P4], assignments=[])
+    assert all(marking_problem(led_by_p3, x.planning.standing_view(recs), live) is None for x in (p1, p3, p4))
+
+    def drv(rules, me):
+        return SimpleNamespace(me=me, state=SimpleNamespace(digest="d20"), _plan_misses=(20, "d20", 1), policy=rules)
+
+    # each peer's candidates as in its log: p3 defers to p1, p4 to p3 (p1, round 19's leader, defers to p3)
+    assert last_resort(drv(p3, P3), 20, recs, [P1]) == [P3]  # type: ignore[arg-type]
+    assert last_resort(drv(p4, P4), 20, recs, [P3]) == []  # type: ignore[arg-type]
+    # before: p4 ranked itself a last resort in both views ([P3, P4] at p3, [P1, P4] at p4)
+    assert p4.planning.standing_view(recs).established_ids(live) == {P1, P3}
+    # nobody established in this view (no ledger, no attestation): every non-candidate member publishes, as before
+    young = [SimpleNamespace(peer_id=p, standing=None, address="127.0.0.1:1") for p in live]
+    assert last_resort(drv(make_rules(me=P4, round=20), P4), 20, young, [P3]) == sorted([P1, P4])  # type: ignore[arg-type]
