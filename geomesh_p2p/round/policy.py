@@ -346,6 +346,11 @@ class NodeRoundPolicy:
         me, r = self.state.me, plan.round
         if me is None or me not in plan.participants() or self.penalties.holds(r + 1, span=1, own=True):
             return False
+        if r > 0 and not self.penalties.holds(r, span=1, own=True):
+            # it was not with the swarm in round r - 1 either (resumed, joined, re-synced): its delivered evidence may
+            # not be the others' (they grace a peer that delivered the round before), and a bench they do not hold
+            # would make it refuse their plans naming it; it leads nothing meanwhile (Penalties.lead_gap)
+            return False
         self.note_sat_out(plan)
         self.penalties.note_own_known(r)  # as planned_out: the marks the others took on it in round r are now known
         return True

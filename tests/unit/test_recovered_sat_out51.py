@@ -180,3 +180,12 @@ def test_round_20_a_newcomer_on_probation_is_no_last_resort_while_an_established
     # nobody established in this view (no ledger, no attestation): every non-candidate member publishes, as before
     young = [SimpleNamespace(peer_id=p, standing=None, address="127.0.0.1:1") for p in live]
     assert last_resort(drv(make_rules(me=P4, round=20), P4), 20, young, [P3]) == sorted([P1, P4])  # type: ignore[arg-type]
+
+
+def test_a_peer_that_was_not_with_the_swarm_the_round_before_takes_no_marks_from_a_recovered_plan():
+    """Resumed, joined or re-synced just before the plan: its delivered evidence may not be the one the others grace
+    a late peer by, so a bench taken here could be one they do not hold (it would refuse their plans naming it)."""
+    plan20, _ = _round20_and_holder()
+    back = make_rules(me=P1, round=20, marks_from=None)  # it knows none of its marks (a restart without history)
+    back.state.round = 21
+    assert back.note_recovered_plan(plan20) is False and P1 not in back.penalties.barred()
