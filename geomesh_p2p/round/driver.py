@@ -245,6 +245,9 @@ class RoundDriver:
         self._plans_by_round: dict[int, RoundPlan] = {}
         #: the round whose doubt of its previous round's plan was said (planning.recover_last_plan: once a round)
         self._doubt_said = -1
+        #: the round at whose agreement this peer took its own marks of the round before from a recovered plan that
+        #: named it (planning.recover_last_plan): its leader candidates are computed again
+        self._sat_out_taken: Optional[int] = None
         #: light followers (issue 25, round/light.py): the round this peer may run light (set when it confirmed
         #: the previous round's digest), and a round sent back to the full path
         self._light_ok_round = -1

@@ -198,6 +198,17 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
             round=r,
             leader=held.plan.leader,
         )
+        note = getattr(getattr(drv, "policy", None), "note_recovered_plan", None)
+        if note is not None and drv.state.digest != held.plan.start_digest and note(held.plan):
+            # the plan made this state (its voters hold it) and named this peer, which ran none of it: the marks the
+            # others took on it there (fresh user 51)
+            log.info(
+                "round %d: round %d's plan named this peer, which ran none of it: it takes the marks the others "
+                "took on it then",
+                r,
+                r - 1,
+            )
+            drv._sat_out_taken = r
         return None
     if getattr(drv, "_doubt_said", None) != r:
         drv._doubt_said = r
@@ -234,6 +245,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # Without round r - 1's plan no rule of who may lead would apply here while it applies at the others: take the
     # plan their records name, or doubt (red team 47b, round/last_plan.py)
     doubt = await recover_last_plan(drv, r, live, candidates)
+    if getattr(drv, "_sat_out_taken", None) == r:  # its own marks of round r - 1 taken just now: who may lead moved
+        drv._sat_out_taken = None
+        members, candidates = drv.policy.leader_candidates(ctx.members, live)
     judged = list(candidates)  # in doubt, each plan named is judged over these, as took would be over it
     took = last_round_leaders(drv._plan_seen, r, candidates)
     # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
@@ -442,6 +456,18 @@ def last_resort(
         return []
     if drv._plan_misses[:2] != (r, drv.state.digest) or drv._plan_misses[2] < 1:
         return []
+    resorts = sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
+    est = established_resorts(drv, members, candidates, resorts)
+    if drv.me not in est:
+        if drv._plan_misses[2] == 1:
+            log.info(
+                "round %d: no plan appeared in a whole attempt; this peer is on probation in its own view while "
+                "established peers may lead (%s): it publishes no plan as a last resort (the peers holding the "
+                "standing would refuse it)",
+                r,
+                ", ".join(p[:10] for p in sorted(set(candidates) | set(est))) or "none",
+            )
+        return []
     if drv._plan_misses[2] == 1:  # the first escalated attempt of this round: said once
         events.emit(
             log,
@@ -460,8 +486,29 @@ def last_resort(
         )
     # Every member that is no candidate, not only this peer: obtain_plan ranks them among themselves, so
     # two last resorts publish a stagger apart and the second follows the first's plan (review: with
-    # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round).
-    return sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
+    # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round). A peer on
+    # probation is none while an established peer may lead (established_resorts, fresh user 51).
+    return est
+
+
+def established_resorts(
+    drv: RoundDriver, members: Sequence[PeerRecord], candidates: Sequence[str], resorts: list[str]
+) -> list[str]:
+    """The last resorts ``resorts`` that publish: the established ones in this peer's view
+    (:meth:`~geomesh_p2p.round.ports.RoundPolicy.standing_established_ids`) when any of ``candidates`` or ``resorts``
+    is established, else all of them (nobody established: a young swarm). Sorted PeerIDs.
+
+    Why (fresh user 51, round 20): the established peers deferred to each other (the resumed one left itself out for
+    the marks it could not know, the other was round 19's leader), so the newcomer, on probation everywhere, published
+    as a last resort: the resumed peer followed its plan (plausible there: it missed rounds of the standing window),
+    the peer holding the whole window refused it as led by a peer on probation, sat the round out and was marked by
+    the other two (late 8 rounds, owner bar 5), which cost rounds 20-29. A plan led by a peer on probation is refused
+    by every peer holding the standing while an established peer is live; an established last resort's is not."""
+    ids = getattr(getattr(drv, "policy", None), "standing_established_ids", None)
+    if ids is None:
+        return resorts
+    est = ids(list(members), sorted(set(candidates) | set(resorts)))
+    return [p for p in resorts if p in est] if est else resorts
 
 
 #: A state adopted by a sync this long before a plan's creation (seconds) may not have been announced by then: the

@@ -333,6 +333,28 @@ class NodeRoundPolicy:
         on through it (the driver calls it after the re-sync)."""
         self.penalties.note_sat_out(plan, delivered_before=self.planning.delivered_evidence(plan.round))
 
+    def note_recovered_plan(self, plan) -> bool:
+        """Round ``plan.round``'s plan, which this peer did not obtain and its voters' records name at its state
+        (``round.planning.recover_last_plan``), names it: the others ran it without this peer and marked it as they
+        mark a peer that sits a plan out (:meth:`note_sat_out`), unless this peer already knows its marks of that
+        round (it saw the plan and sat it out: ``planned_out``). True when it took them.
+
+        Why (fresh user 51): a follower ignored as absent a plan the others followed (its leader on probation in its
+        view, plausible in a resumed peer's), caught up past it, and never took the owner bar and late mark the
+        others gave it. Its check of the next leader's plan counted itself a possible owner (3 not 2), refused the
+        honest plan as over the 2x bound, it sat that round out too, and led plans nobody followed."""
+        me, r = self.state.me, plan.round
+        if me is None or me not in plan.participants() or self.penalties.holds(r + 1, span=1, own=True):
+            return False
+        if r > 0 and not self.penalties.holds(r, span=1, own=True):
+            # it was not with the swarm in round r - 1 either (resumed, joined, re-synced): its delivered evidence may
+            # not be the others' (they grace a peer that delivered the round before), and a bench they do not hold
+            # would make it refuse their plans naming it; it leads nothing meanwhile (Penalties.lead_gap)
+            return False
+        self.note_sat_out(plan)
+        self.penalties.note_own_known(r)  # as planned_out: the marks the others took on it in round r are now known
+        return True
+
     def publish_record(self, rec) -> None:
         """The round's row to the log, Prometheus and the status page. Raises RuntimeError after shutdown
         (the round log is closed). The row carries verified work's counts (``extra["verify"]``: checks drawn,
