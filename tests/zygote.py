@@ -16,8 +16,8 @@ What a child is not: a child of the test process. :class:`ZygoteChild` stands in
 its exit status (negative: the signal that ended it, as ``Popen.returncode``) over the child's own Unix socket.
 
 Used by :class:`tests.swarm_util.ProcSwarm` only for a ``python -m MODULE`` command line whose environment is the
-zygote's own (plus ``PYTHONUNBUFFERED``): anything else (an ``ip netns exec`` wrapper, ``LD_PRELOAD``/faketime, a
-test's own variables) starts as a plain ``subprocess.Popen``. ``GEOMESH_TEST_ZYGOTE=0`` turns it off (every
+zygote's own (plus ``PYTHONUNBUFFERED``), also behind ``ip netns exec NAME`` (the child joins that network namespace
+itself): anything else (``LD_PRELOAD``/faketime, a test's own variables) starts as a plain ``subprocess.Popen``. ``GEOMESH_TEST_ZYGOTE=0`` turns it off (every
 process a cold interpreter, as before). The zygote refuses to fork (and the caller falls back) if importing left
 a thread running: forking a threaded process can deadlock the child.
 """
@@ -105,6 +105,38 @@ def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
         "numpy" in sys.modules
     ):  # a fresh interpreter seeds numpy's global generator from the OS (random re-seeds itself)
         sys.modules["numpy"].random.seed()
+    if req.get("netns"):  # last: a failure is the child's (its traceback in its log, exit status 1)
+        _enter_netns(req["netns"])
+
+
+#: ``ip netns exec NAME`` in front of a ``python -m`` command line (tests/e2e/test_slow_link.py's joiner behind a
+#: slow veth): forked too, the child joining that network namespace itself
+NETNS_EXEC = ("ip", "netns", "exec")
+CLONE_NEWNET = 0x40000000  # <sched.h>
+
+
+def _enter_netns(name: str) -> None:
+    """In a forked child: join the network namespace ``name`` (``/run/netns/NAME``, ``setns(2)``), what ``ip netns
+    exec NAME`` does for the sockets of the process it execs (the rest of what it does, a private /sys and
+    ``/etc/netns/NAME`` bind mounts, no process here reads). Raises OSError (the child exits 1 with it, as ``ip``
+    does when it cannot)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _split_netns(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """``(NAME, the rest)`` for ``ip netns exec NAME ...``; ``(None, argv)`` otherwise."""
+    if len(argv) > 4 and tuple(argv[:3]) == NETNS_EXEC:
+        return argv[3], list(argv[4:])
+    return None, list(argv)
 
 
 def serve() -> Optional[dict]:
@@ -302,7 +334,16 @@ class Zygote:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def spawn(self, args: list[str], argv: list[str], fds: tuple[int, int], env: dict, cwd, new_session: bool):
+    def spawn(
+        self,
+        args: list[str],
+        argv: list[str],
+        fds: tuple[int, int],
+        env: dict,
+        cwd,
+        new_session: bool,
+        netns: Optional[str] = None,
+    ):
         """Fork ``python -m ARGS`` (``argv`` the full command line, for messages) with stdout and stderr ``fds``
         (sent to the zygote; the caller closes its own); returns a :class:`ZygoteChild`, or None when the zygote
         refuses (a thread ran in it)."""
@@ -313,6 +354,7 @@ class Zygote:
             "env": env,
             "cwd": str(cwd or os.getcwd()),
             "new_session": new_session,
+            "netns": netns,
             "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
         }
         socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], list(fds))
@@ -365,15 +407,17 @@ def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
 
 
 def spawn(argv: Sequence[str], log: Path, *, append: bool, cwd=None, new_session: bool = False):
-    """Start ``argv`` (``[sys.executable, "-m", MODULE, ...]``) with stdout and stderr to ``log``, like
+    """Start ``argv`` (``[sys.executable, "-m", MODULE, ...]``, or that behind ``ip netns exec NAME``) with stdout and stderr to ``log``, like
     :meth:`geomesh_p2p.util.procs.ProcGroup.spawn`, forked from this worker's zygote; None when it cannot be forked
     (not such a command line, a different environment, the zygote off or refusing): the caller starts it itself."""
-    z = _zygote_for(argv)
+    netns, cmd = _split_netns(argv)
+    z = _zygote_for(cmd)
     if z is None:
         return None
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     try:
-        return z.spawn(list(argv[2:]), list(argv), (fd, fd), dict(os.environ, PYTHONUNBUFFERED="1"), cwd, new_session)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return z.spawn(list(cmd[2:]), list(argv), (fd, fd), env, cwd, new_session, netns)
     finally:
         os.close(fd)
 
