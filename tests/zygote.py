@@ -7,15 +7,17 @@ third-party packages once per pytest worker and forks a child per process asked 
 exactly as ``python -m`` would (``runpy._run_module_as_main``: ``__name__ == "__main__"``, ``sys.argv``,
 ``sys.path[0]`` the working directory), with its own stdout/stderr log, environment, working directory and
 signal dispositions. Nothing of ``geomesh_p2p``, ``peer`` or ``bootstrap`` is imported before the fork: each child
-imports the project's code itself, as a fresh interpreter does (import-time state, its PID, its clocks).
+imports the project's code itself, as a fresh interpreter does (import-time state, its PID, its clocks). The one
+difference: the zygote's imports are already frozen (``gc.freeze``), as a peer's or bootstrap's own start-up freeze
+(``geomesh_p2p.util.exit_gc.freeze_startup_heap``) would leave them; ``ZygoteChild.frozen_at_fork`` says how many.
 
 What a child is not: a child of the test process. :class:`ZygoteChild` stands in for ``subprocess.Popen`` (``pid``,
 ``poll``, ``wait``, ``returncode``, ``send_signal``, ``kill``, ``terminate``); the zygote reaps each child and sends
 its exit status (negative: the signal that ended it, as ``Popen.returncode``) over the child's own Unix socket.
 
 Used by :class:`tests.swarm_util.ProcSwarm` only for a ``python -m MODULE`` command line whose environment is the
-zygote's own (plus ``PYTHONUNBUFFERED``): anything else (an ``ip netns exec`` wrapper, ``LD_PRELOAD``/faketime, a
-test's own variables) starts as a plain ``subprocess.Popen``. ``GEOMESH_TEST_ZYGOTE=0`` turns it off (every
+zygote's own (plus ``PYTHONUNBUFFERED``), also behind ``ip netns exec NAME`` (the child joins that network namespace
+itself): anything else (``LD_PRELOAD``/faketime, a test's own variables) starts as a plain ``subprocess.Popen``. ``GEOMESH_TEST_ZYGOTE=0`` turns it off (every
 process a cold interpreter, as before). The zygote refuses to fork (and the caller falls back) if importing left
 a thread running: forking a threaded process can deadlock the child.
 """
@@ -23,6 +25,7 @@ a thread running: forking a threaded process can deadlock the child.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -54,8 +57,20 @@ PRELOAD = (
     "grpc",
     "grpc.aio",
     "pydantic",
+    # what the project's pydantic models load on first use (pydantic's package imports them lazily): ~25 ms a child
+    "pydantic.main",
+    "pydantic.fields",
+    "pydantic.types",
+    "pydantic.type_adapter",
+    "pydantic.functional_validators",
+    "pydantic.json_schema",
+    "pydantic.plugin._schema_validator",
+    "annotated_types",
     "google.protobuf",
     "cryptography",
+    # the standard library's servers (the status page, the bootstrap's); pure modules
+    "http.server",
+    "wsgiref.simple_server",
 )
 ENABLED = os.environ.get("GEOMESH_TEST_ZYGOTE", "1") != "0"
 START_TIMEOUT_S = 180.0  # the zygote's imports on a loaded 2-core machine (a cold peer's take up to ~70 s at load 15)
@@ -90,6 +105,38 @@ def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
         "numpy" in sys.modules
     ):  # a fresh interpreter seeds numpy's global generator from the OS (random re-seeds itself)
         sys.modules["numpy"].random.seed()
+    if req.get("netns"):  # last: a failure is the child's (its traceback in its log, exit status 1)
+        _enter_netns(req["netns"])
+
+
+#: ``ip netns exec NAME`` in front of a ``python -m`` command line (tests/e2e/test_slow_link.py's joiner behind a
+#: slow veth): forked too, the child joining that network namespace itself
+NETNS_EXEC = ("ip", "netns", "exec")
+CLONE_NEWNET = 0x40000000  # <sched.h>
+
+
+def _enter_netns(name: str) -> None:
+    """In a forked child: join the network namespace ``name`` (``/run/netns/NAME``, ``setns(2)``), what ``ip netns
+    exec NAME`` does for the sockets of the process it execs (the rest of what it does, a private /sys and
+    ``/etc/netns/NAME`` bind mounts, no process here reads). Raises OSError (the child exits 1 with it, as ``ip``
+    does when it cannot)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _split_netns(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """``(NAME, the rest)`` for ``ip netns exec NAME ...``; ``(None, argv)`` otherwise."""
+    if len(argv) > 4 and tuple(argv[:3]) == NETNS_EXEC:
+        return argv[3], list(argv[4:])
+    return None, list(argv)
 
 
 def serve() -> Optional[dict]:
@@ -102,6 +149,12 @@ def serve() -> Optional[dict]:
         except ImportError:
             pass  # an optional package: the child imports what it needs itself
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    # The imports' ~400,000 GC-tracked objects into the permanent generation, as a peer's own start does
+    # (geomesh_p2p/util/exit_gc.freeze_startup_heap: collect, then freeze), here once before the forks: a child's own
+    # start-up collection then scans only what it made (~0.2 CPU-s less), and no collection in a child writes to the
+    # shared pages' object headers (copy-on-write: ~22,000 page faults, ~85 MiB copied, per child before).
+    gc.collect()
+    gc.freeze()
     path = os.path.join(tempfile.mkdtemp(prefix="geomesh-zygote-"), "sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -110,7 +163,7 @@ def serve() -> Optional[dict]:
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that set_wakeup_fd writes on SIGCHLD
     signal.set_wakeup_fd(wake_w)
-    print(json.dumps({"socket": path, "threads": threads}), flush=True)
+    print(json.dumps({"socket": path, "threads": threads, "frozen": gc.get_freeze_count()}), flush=True)
     children: dict[int, socket.socket] = {}
     stdin = sys.stdin.fileno()
     while True:
@@ -182,8 +235,11 @@ class ZygoteChild:
     """A forked child seen like a ``subprocess.Popen``: ``pid``, ``returncode`` (None while it runs), ``poll()``,
     ``wait(timeout)`` (raises ``subprocess.TimeoutExpired``), ``send_signal``, ``terminate``, ``kill``."""
 
-    def __init__(self, args: list[str], pid: int, conn: socket.socket):
+    def __init__(self, args: list[str], pid: int, conn: socket.socket, frozen_at_fork: int = 0):
         self.args, self.pid, self._conn = args, pid, conn
+        #: the objects the zygote had frozen (``gc.get_freeze_count()``) when it forked this child: the child's own
+        #: count starts there (a cold interpreter's at 0)
+        self.frozen_at_fork = frozen_at_fork
         self.returncode: Optional[int] = None
         self._buf = b""
         self.stdout: Optional[TextIO] = None  # text streams when started by spawn_piped
@@ -265,6 +321,7 @@ class Zygote:
         self.socket: str = hello["socket"]
         self.threads: list = hello["threads"]
         self.usable = not self.threads  # else every process starts cold (spawn returns None)
+        self.frozen: int = hello.get("frozen", 0)
         if not line:
             self.stop()
 
@@ -277,7 +334,16 @@ class Zygote:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def spawn(self, args: list[str], argv: list[str], fds: tuple[int, int], env: dict, cwd, new_session: bool):
+    def spawn(
+        self,
+        args: list[str],
+        argv: list[str],
+        fds: tuple[int, int],
+        env: dict,
+        cwd,
+        new_session: bool,
+        netns: Optional[str] = None,
+    ):
         """Fork ``python -m ARGS`` (``argv`` the full command line, for messages) with stdout and stderr ``fds``
         (sent to the zygote; the caller closes its own); returns a :class:`ZygoteChild`, or None when the zygote
         refuses (a thread ran in it)."""
@@ -288,6 +354,7 @@ class Zygote:
             "env": env,
             "cwd": str(cwd or os.getcwd()),
             "new_session": new_session,
+            "netns": netns,
             "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
         }
         socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], list(fds))
@@ -304,7 +371,7 @@ class Zygote:
             global last_refusal
             last_refusal = f"the zygote refused: {line.decode().strip()}"
             return None
-        return ZygoteChild(argv, int(rest), conn)
+        return ZygoteChild(argv, int(rest), conn, self.frozen)
 
 
 _zygote: Optional[Zygote] = None
@@ -340,15 +407,17 @@ def _zygote_for(argv: Sequence[str]) -> Optional[Zygote]:
 
 
 def spawn(argv: Sequence[str], log: Path, *, append: bool, cwd=None, new_session: bool = False):
-    """Start ``argv`` (``[sys.executable, "-m", MODULE, ...]``) with stdout and stderr to ``log``, like
+    """Start ``argv`` (``[sys.executable, "-m", MODULE, ...]``, or that behind ``ip netns exec NAME``) with stdout and stderr to ``log``, like
     :meth:`geomesh_p2p.util.procs.ProcGroup.spawn`, forked from this worker's zygote; None when it cannot be forked
     (not such a command line, a different environment, the zygote off or refusing): the caller starts it itself."""
-    z = _zygote_for(argv)
+    netns, cmd = _split_netns(argv)
+    z = _zygote_for(cmd)
     if z is None:
         return None
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     try:
-        return z.spawn(list(argv[2:]), list(argv), (fd, fd), dict(os.environ, PYTHONUNBUFFERED="1"), cwd, new_session)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return z.spawn(list(cmd[2:]), list(argv), (fd, fd), env, cwd, new_session, netns)
     finally:
         os.close(fd)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,38 @@ def test_a_piped_child_streams_its_stdout_and_stderr(tmp_path):
     out = child.stdout.read()
     assert json.loads(out)["argv"] == ["exit", "0"]
     assert child.stderr.read() == "" and child.wait(60) == 0
+
+
+def _netns_usable() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None and Path("/proc/self/ns/net").exists()
+
+
+@pytest.mark.skipif(not zygote.ENABLED, reason="GEOMESH_TEST_ZYGOTE=0")
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and ip (ip netns add)")
+def test_a_child_behind_ip_netns_exec_runs_in_that_namespace_as_a_cold_one_does(tmp_path):
+    """``ip netns exec NAME python -m ...`` (test_slow_link's joiner) forks too: the child joins the namespace itself
+    and sees what the cold command sees, that namespace included; exits the same way."""
+    ns = f"gmzyg{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"ip netns add is not permitted: {made.stderr.strip()}")
+    try:
+        wrapped = ["ip", "netns", "exec", ns, *PROBE, "exit", "4"]
+        with open(tmp_path / "cold.log", "w") as out:
+            cold = subprocess.Popen(
+                wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )  # fmt: skip
+        forked = zygote.spawn(wrapped, tmp_path / "forked.log", append=False, cwd=ROOT)
+        if forked is None and zygote.last_refusal.startswith("env:"):
+            pytest.skip(f"the zygote cannot fork in this worker: {zygote.last_refusal}")
+        assert forked is not None, f"the zygote did not fork: {zygote.last_refusal}"
+        assert (cold.wait(120), forked.wait(120)) == (4, 4)
+        seen = _seen(tmp_path, "forked.log")
+        assert seen == _seen(tmp_path, "cold.log")
+        assert seen["netns"] != os.readlink("/proc/self/ns/net") and seen["project_imported"] == []
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
 def _wait_text(p, log: Path, text: str) -> None:

@@ -95,8 +95,19 @@ def _packets(world, a, H, *, others=None, own=None, held=("B", "C")):
     return out
 
 
+#: the losses of the round's control batches at theta (gain_rows' ``("control", ...)`` cache entries), measured by the
+#: first screen that needs each and reused by the later ones: every screen here loads the same theta and draws the
+#: same control batches (seed 0, round 2, B x L), so they are the same bits (a third of a screen's forward passes)
+_CONTROLS: dict = {}
+
+
 def _screen(world, cfg, a, H=10, *, cache=None, dataset=None, **kw):
-    """Screener V screens A's ``a`` of round 2 (``H`` steps). Returns (stats, verdict, the task, the packets)."""
+    """Screener V screens A's ``a`` of round 2 (``H`` steps). Returns (stats, verdict, the task, the packets). Without
+    ``cache`` and ``dataset`` the screen's cache starts with the module's control losses (:data:`_CONTROLS`); a
+    screen that counts the batches it draws (``dataset``) or is given a ``cache`` measures them itself."""
+    shared = cache is None and dataset is None
+    if shared:
+        cache = {k: list(v) for k, v in _CONTROLS.get(id(world), {}).items()}
     v = _fixed_identity("screener-V")
     vid = str(v.peer_id)
     packets = _packets(world, a, H, **kw)
@@ -110,6 +121,8 @@ def _screen(world, cfg, a, H=10, *, cache=None, dataset=None, **kw):
         packets=packets, lr=1e-3, weight_decay=0.1, plan=plan, checker=vid, cache={} if cache is None else cache,
     )  # fmt: skip
     assert stats.gain is not None
+    if shared:
+        _CONTROLS.setdefault(id(world), {}).update((k, list(v)) for k, v in cache.items() if k[0] == "control")
     return stats, verdict, task, (plan, packets, vid)
 
 
