@@ -167,3 +167,44 @@ def test_peers_a_rogue_leader_planned_out_all_lead_again_after_one_round():
     pen = _out()
     pen.take_owner_bars(recs, [A, B, R1])
     assert pen.lead_gap(R) is None
+
+
+def test_the_gather_s_members_are_not_the_voters_a_rogue_leader_thins_them():
+    """Fixed (red team 51a), at ``NodeRoundPolicy.leader_candidates``: the leader candidates among the members (the
+    peers in step at this round and state) were the voters, so the honest peers a rogue leader planned out along
+    with this one and still syncing at its gather voted not at all: 2 rogues against 1 holder of 7 peers took the
+    rogues' map (no bar on rogue ids[1], whose part failed in round R), this peer then gave it a part, and the holder
+    refused that plan. Every live peer that may lead votes now: 2 of 6, nothing taken."""
+    from tests.integration.test_late_peer import R as RL
+    from tests.integration.test_late_peer import _node, _records
+
+    recs = _records(7)
+    ids = [x.peer_id for x in recs]
+    out = _node(recs, ids[6])
+    pen = out.penalties
+    pen.applied = pen.owners_known = (0, RL - 1)  # planned out of round RL, re-synced to round RL + 1's state
+    pen.note_own_known(RL)
+    out.state.round = RL + 1
+    truth = {ids[1]: RL + OWNER_PENALTY_ROUNDS}
+    named = {ids[0]: {}, ids[1]: {}, ids[2]: truth}  # the two rogues name a map without the bar on ids[1]
+
+    def live(synced: bool) -> dict:
+        return {
+            x.peer_id: x.model_copy(
+                update={
+                    "round": RL + 1,
+                    "weights_digest": "d" if synced or x.peer_id in named or x.peer_id == ids[6] else None,
+                    "owner_bars": named.get(x.peer_id),
+                }
+            )
+            for x in recs
+        }
+
+    view = live(False)
+    members = [view[p] for p in (ids[0], ids[1], ids[2], ids[6])]  # the gather's: in step at this round and state
+    out.leader_candidates(members, view)
+    assert pen.owner == {} and pen.lead_gap(RL + 1) is not None  # the gap of before, no map the holder refuses
+    named.update({ids[3]: truth, ids[4]: truth, ids[5]: truth})  # synced, took the truth: 4 of 6
+    view = live(True)
+    out.leader_candidates(list(view.values()), view)
+    assert pen.owner == truth and pen.lead_gap(RL + 1) is None
