@@ -170,12 +170,17 @@ class NodeRoundPolicy:
             )
         self._told_said = told
         unled = self.penalties.unled() | told
+        view = self.planning.standing_view(list(live.values()))
         cands = pb.leader_candidates(
-            self.planning.standing_view(list(live.values())), [m.peer_id for m in members], barred=unled
+            view, [m.peer_id for m in members], barred=unled
         )  # the bars of may_lead_ids, and this peer's own-standing rule
         me, r = self.state.me, self.state.round
-        # planned out of (or sat out) a round of the owner span: the owner penalties its voters hold (session 51)
-        took = self.penalties.take_owner_bars(live.values(), cands)
+        # planned out of (or sat out) a round of the owner span: the owner penalties its voters hold (session 51).
+        # The voters are every live peer that may lead, not the members in step only: the peers a rogue leader
+        # planned out along with this one are still syncing at its gather, so among the members 2 rogues outvoted
+        # 1 holder (red team 51a); those not at this round and state count against a map
+        voters = pb.leader_candidates(view, self.verified.member_ids(live), barred=unled)
+        took = self.penalties.take_owner_bars(live.values(), set(voters) | set(cands))
         if took is not None:
             log.info("round %d: this peer did not apply every round of the owner penalties in force; %s", r, took)
         if me not in cands or len(cands) < 2 or r <= 0:

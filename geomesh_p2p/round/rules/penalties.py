@@ -123,19 +123,30 @@ class Penalties:
         planned out of one of those rounds takes, :meth:`take_owner_bars`); None when it does not, or holds more
         than a record carries (``MAX_OWNER_BARS``: then nobody votes with its record)."""
         r = self.state.round
-        if not self.holds_owners(r):
+        if not self.holds_owners(r) or self._concluded_round(r):
             return None
         # concluded in rounds r-5..r-1 only: round r's own conclusions (its exchange done, the record still at round r)
         # are not yet the others' at round r, and two spellings of one round's map would split the vote
         bars = {p: until for p, until in self.owner.items() if r <= until < r + OWNER_PENALTY_ROUNDS}
         return bars if len(bars) <= MAX_OWNER_BARS else None
 
+    def _concluded_round(self, r: int) -> bool:
+        """Whether this peer already concluded round ``r`` (applied it, or took a bar ending past ``r + 4``: its
+        exchange done or stalled through, the record still at round ``r`` until the commit). A bar renewed in round
+        ``r`` then ends in ``r + 5``, outside the span :meth:`owner_bars` names, so its map would lack a bar the others
+        still hold at round ``r``: it names none rather than that map (red team 51a: a taker that read such maps gave
+        the barred owner a part, and the holders refused its plan)."""
+        ran = any(run is not None and run[1] >= r for run in (self.applied, self.owners_known))
+        return ran or any(until >= r + OWNER_PENALTY_ROUNDS for until in self.owner.values())
+
     def take_owner_bars(self, records: Iterable, voters: Collection[str]) -> Optional[str]:
         """Take the owner penalties in force this round from ``voters``' ``records`` (PeerRecords; the voters: this
         peer's leader candidates, itself left out) when this peer does not hold them all (:meth:`holds_owners`: it was
         planned out of, or sat out, one of the last ``OWNER_PENALTY_ROUNDS`` rounds, whose part results it never read).
         Counted: the voters' records at this round and digest (a state made by the same rounds: their holders hold the
-        same owner penalties); taken: a map (``PeerRecord.owner_bars``) that more than half of them name, merged into
+        same owner penalties); taken: a map (``PeerRecord.owner_bars``) that more than half of all ``voters`` name (one
+        at another round or state, or still syncing, counts against: the peers a rogue leader planned out were still
+        syncing, so a denominator of those at this round let 2 rogues of 6 outvote 1 holder, red team 51a), merged into
         ``owner`` (this peer's own entry excepted: it knows its own marks) and those rounds' owner penalties held from
         then on (``owners_known``). Returns one line for the log when taken, else None.
 
@@ -158,7 +169,7 @@ class Penalties:
         if not named:
             return None
         top, votes = named.most_common(1)[0]
-        if votes * 2 <= len(at):
+        if votes * 2 <= len(who):  # every voter counts, not only those at this round and state (red team 51a)
             return None
         bars = {p: u for p, u in json.loads(top).items() if p != me and r <= u < r + OWNER_PENALTY_ROUNDS}
         for p, until in bars.items():
@@ -167,7 +178,7 @@ class Penalties:
                 self.noted[("owner", p)] = until - OWNER_PENALTY_ROUNDS  # the round that concluded it, as if applied
         self.owners_known = _joined(self.owners_known, max(0, r - OWNER_PENALTY_ROUNDS), r - 1)
         return (
-            f"{votes} of {len(at)} voters at this round and state name the owner penalties in force "
+            f"{votes} of {len(who)} voters ({len(at)} at this round and state) name the owner penalties in force "
             f"({len(bars)} on others): taken for rounds {max(0, r - OWNER_PENALTY_ROUNDS)}-{r - 1}"
         )
 
