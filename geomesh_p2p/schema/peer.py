@@ -147,7 +147,7 @@ class PeerRecord(BaseModel):
         description="the owner penalties in force at `round` that this peer holds (PeerID -> last round it owns no "
         "part: geomesh_p2p.round.rules.penalties), announced only while it holds every one (it applied, or took by "
         "this vote, each of the last OWNER_PENALTY_ROUNDS rounds), {} when none: what a peer planned out of one of "
-        "those rounds takes from a majority of its voters (0.18.0, session 51); left out of the JSON when None",
+        "those rounds takes from a majority of its voters (0.18.1, session 51); left out of the JSON when None",
     )
 
     @field_validator("owner_bars")
