@@ -125,3 +125,24 @@ def test_the_field_is_absent_at_its_default():
     _, recs = _swarm()
     assert b"lead_from" not in recs[0].to_bytes()
     assert _with_gap(recs[0], R + 18).lead_from == R + 18
+
+
+def test_the_record_announces_the_gap_in_sync_only():
+    """``node.training.record_state``: the gapped peer names ``lead_from`` (its own marks' run restarts at R: R + 18),
+    a holder names none, a syncing peer none; without delivered evidence of round R - 1 (resumed) a method of per-peer
+    budgets leaves it out of round R too (``NodeRoundPolicy.leader_candidates``), so it names R + 1."""
+    from types import SimpleNamespace
+
+    from geomesh_p2p.config.method import MethodRule
+    from geomesh_p2p.node.training import record_state
+
+    _, recs = _swarm()
+    for marks_from, syncing, want in ((None, False, R + MARK_SPAN_ROUNDS), (0, False, None), (None, True, None)):
+        policy = _node(recs, recs[0].peer_id, marks_from=marks_from)
+        node = SimpleNamespace(
+            resync=SimpleNamespace(syncing=syncing), round=R, digest="d", penalties=policy.penalties, policy=policy
+        )
+        assert record_state(node)["lead_from"] == want
+    policy.profile.supported_tps = None
+    policy.penalties.held_since(0)
+    assert policy.lead_from(R) == (R + 1 if MethodRule.from_run(RUN).balanced else None)
