@@ -475,7 +475,10 @@ async def obtain_plan(
     stagger_s = settle_s if stagger_s is None else stagger_s
 
     # the turns after an announced gap come sooner (``gapped``): each candidate's index less the gapped ranked before
-    skipped = [sum(1 for p in order[:i] if p in gapped and p != me) for i in range(n_regular)]
+    gaps = set(gapped) - {me}
+    skipped = [0] * n_regular  # gapped candidates ranked before each (one pass: hundreds of candidates)
+    for i in range(1, n_regular):
+        skipped[i] = skipped[i - 1] + (order[i - 1] in gaps)
 
     def delay(i: int, shortened: bool = True) -> float:
         if i < n_regular:
