@@ -412,6 +412,7 @@ async def obtain_plan(
     last_resort: Sequence[str] = (),
     authorities: Sequence[str] = (),
     leaders: Optional[Callable[[], Collection[str]]] = None,
+    gapped: Collection[str] = (),
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -449,6 +450,16 @@ async def obtain_plan(
         ``leaders()``, when given: PeerIDs whose plans may be read besides ``members``, the candidates, the last
         resorts and ``authorities`` (the caller's view of live peers: a plan's leader must be one for ``accept``
         to take it); every other stored plan is left unread (:meth:`PlanStore.read`). None: all are read.
+
+        ``gapped``: candidates that announce they lead nothing this round by their own rule of the marks they lack
+        (``PeerRecord.lead_from``, :meth:`~geomesh_p2p.round.rules.penalties.Penalties.lead_from`). They keep their
+        rank (the order, the candidates and the plans accepted are unchanged); only the turns after theirs come
+        sooner: candidate ``i`` waits :func:`takeover_delay` of ``i`` less the gapped ones ranked before it. Why
+        (fresh user 51): such a peer leaves itself out where the others cannot see it, and they waited a whole
+        ``plan_timeout_s`` for its plan, 4-8 s a round for up to 18 rounds. A rogue announcing a gap it lacks gains
+        nothing it could not by staying silent and publishing late: its plan, published any time before the
+        next candidate's has started, still ranks better and is followed (:func:`choose_plan` after the settle);
+        waiting less only makes more candidates publish, which forks nothing (see the module's docstring).
     """
     me = str(store.identity.peer_id)
     member_ids = {m.peer_id for m in members}
@@ -463,11 +474,18 @@ async def obtain_plan(
     my_turn = order.index(me) if me in order else None
     stagger_s = settle_s if stagger_s is None else stagger_s
 
-    def delay(i: int) -> float:
+    # the turns after an announced gap come sooner (``gapped``): each candidate's index less the gapped ranked before
+    gaps = set(gapped) - {me}
+    skipped = [0] * n_regular  # gapped candidates ranked before each (one pass: hundreds of candidates)
+    for i in range(1, n_regular):
+        skipped[i] = skipped[i - 1] + (order[i - 1] in gaps)
+
+    def delay(i: int, shortened: bool = True) -> float:
         if i < n_regular:
-            return takeover_delay(i, plan_timeout_s, stagger_s, wait_candidates)
-        # a last resort: strictly after every candidate's turn (by one plan timeout), then staggered
-        after = delay(n_regular - 1) + plan_timeout_s if n_regular else 0.0
+            return takeover_delay(i - (skipped[i] if shortened else 0), plan_timeout_s, stagger_s, wait_candidates)
+        # a last resort: strictly after every candidate's turn as unshortened (by one plan timeout), then staggered:
+        # it publishes only where no candidate did, and a gap announced in one view must not bring it forward
+        after = delay(n_regular - 1, False) + plan_timeout_s if n_regular else 0.0
         return after + lr_order.index(order[i]) * stagger_s
 
     if give_up_s is None:
@@ -570,7 +588,8 @@ async def obtain_plan(
                 and swarm_time() < best.created_at
             )
         ):
-            if my_turn is not None and my_turn > 0 and best is None:
+            waited = my_turn - (skipped[my_turn] if my_turn < n_regular else 0) if my_turn is not None else 0
+            if my_turn is not None and waited > 0 and best is None:
                 events.emit(
                     log,
                     logging.WARNING,
@@ -586,6 +605,13 @@ async def obtain_plan(
                     after_s=elapsed,
                     last_resort=my_turn >= n_regular,
                 )  # delay_s: this turn's take-over delay
+            elif my_turn is not None and my_turn > 0 and best is None:  # every better-ranked one announced a gap
+                log.info(
+                    "round %d: the %d better-ranked leader(s) announce they lead nothing this round (lead_from): "
+                    "leading without their wait",
+                    round,
+                    my_turn,
+                )
             try:
                 plan = make_plan(members, me)
             except PlanDeferred:  # the policy has said why (once); the next leader may do better

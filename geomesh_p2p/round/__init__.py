@@ -97,6 +97,7 @@ class DhtPlanAgreement:
         last_resort=(),
         authorities=(),
         leaders=None,
+        gapped=(),
     ):
         return await obtain_plan(
             self.store,
@@ -112,6 +113,7 @@ class DhtPlanAgreement:
             last_resort=last_resort,
             authorities=authorities,
             leaders=leaders,
+            gapped=gapped,
         )
 
     async def plan_of(self, round: int, leader: str, sha256: str) -> tuple[Optional[RoundPlan], str]:

@@ -312,6 +312,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 ctx.early = asyncio.ensure_future(inner_steps(drv, ctx, p, ctx.early_abort))
 
         resort = [] if doubt is not None else last_resort(drv, r, members, candidates, may_lead)
+        gapped = announced_gaps(live, candidates, r, drv.me)
         try:
             plan = await drv.plans.agree(
                 r,
@@ -329,6 +330,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 provisional=on_provisional,
                 **({"last_resort": resort} if resort else {}),
                 **({"authorities": authorities} if authorities else {}),
+                **({"gapped": gapped} if gapped else {}),
             )
         except PlanRefused as e:
             # Others may follow a plan this peer refuses: following another one would fork the lineage. Sit
@@ -405,6 +407,17 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         await wait_out(drv, ctx)
         return False
     return True
+
+
+def announced_gaps(live: dict, candidates: Sequence[str], r: int, me: Optional[str]) -> list[str]:
+    """The ``candidates`` (not this peer) whose records in ``live`` announce they lead nothing in round ``r`` by their
+    own rule of the marks they lack (``PeerRecord.lead_from`` past ``r``: Penalties.lead_from): the turns after
+    theirs come sooner (obtain_plan's ``gapped``); they stay candidates, ranked as before (fresh user 51)."""
+    return [
+        c
+        for c in candidates
+        if c != me and type(getattr(live.get(c), "lead_from", None)) is int and live[c].lead_from > r
+    ]
 
 
 def left_alone_in_plan(drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, leaving: dict) -> bool:

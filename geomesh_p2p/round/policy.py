@@ -198,6 +198,20 @@ class NodeRoundPolicy:
             cands = [c for c in cands if c != me]
         return members, cands
 
+    def lead_from(self, r: int) -> Optional[int]:
+        """The first round from ``r`` on at which :meth:`leader_candidates` keeps this peer in by its own rules, if it
+        applies each round from ``r`` on (None: none leaves it out at ``r``): :meth:`Penalties.lead_from`, and for a
+        method of per-peer budgets ``r + 1`` while it holds no delivered-work evidence of round ``r - 1``. Its record
+        announces it (``PeerRecord.lead_from``): the others take the next candidate's turn at once (fresh user 51)."""
+        end = self.penalties.lead_from(r)
+        if (
+            r > 0
+            and MethodRule.from_run(self.planning.run_cfg).balanced
+            and self.planning.delivered_evidence(r) is None
+        ):
+            end = max(end or r, r + 1)
+        return end
+
     def may_lead_ids(self, records, peer_ids: Iterable[str]) -> Optional[list[str]]:
         """The ids among ``peer_ids`` that :meth:`leader_candidates` lets lead in this peer's view of ``records``
         (``()``: its own ledger), without its own-standing and delivered-evidence rules about this peer itself:

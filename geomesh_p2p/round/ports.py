@@ -108,6 +108,7 @@ class PlanAgreement(Protocol):
         last_resort: Sequence[str] = (),
         authorities: Sequence[str] = (),
         leaders: Optional[Callable[[], Collection[str]]] = None,
+        gapped: Collection[str] = (),
     ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
@@ -118,7 +119,9 @@ class PlanAgreement(Protocol):
         (passed only when non-empty). Raises :class:`~geomesh_p2p.plan.agree.PlanRefused` when this peer
         refuses a plan others may follow: the driver sits the round out (no fork, issue 25). ``leaders()``:
         the PeerIDs whose stored plans may be read at all (the others are left unread: any identity can store
-        one, and a chunked one costs a lookup per chunk)."""
+        one, and a chunked one costs a lookup per chunk). ``gapped``: candidates whose records announce they lead
+        nothing this round (``PeerRecord.lead_from``): the turns after theirs come sooner, nothing else changes
+        (passed only when non-empty)."""
 
     def publish_background(self, plan: RoundPlan) -> None:
         """Store ``plan`` without waiting (a lone peer's own plan, for the status page); never raises."""

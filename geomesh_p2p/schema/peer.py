@@ -150,6 +150,15 @@ class PeerRecord(BaseModel):
         "those rounds takes from a majority of its voters (0.18.1, session 51); left out of the JSON when None",
     )
 
+    lead_from: Optional[int] = Field(
+        default=None,
+        ge=0,
+        le=1 << 40,
+        description="the first round this peer may lead again by its own rule of the marks it lacks (joined, resumed, "
+        "re-synced or planned out within their span: Penalties.lead_from, session 51): the others still rank it, and only "
+        "take the next candidate's turn at once instead of waiting for its plan; left out of the JSON when None",
+    )
+
     @field_validator("owner_bars")
     @classmethod
     def _bounded_owner_bars(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
@@ -203,8 +212,8 @@ class PeerRecord(BaseModel):
         return max(self.tokens_per_s.values(), default=0.0)
 
     def to_bytes(self) -> bytes:
-        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan``, ``unled_until`` and
-        ``owner_bars`` are written
+        """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan``, ``unled_until``,
+        ``owner_bars`` and ``lead_from`` are written
         only when set (not their defaults), so a record without them is byte for byte what a peer of the previous
         version wrote (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
@@ -215,6 +224,7 @@ class PeerRecord(BaseModel):
             ("last_plan", None),
             ("unled_until", None),
             ("owner_bars", None),
+            ("lead_from", None),
         )
         absent = {k for k, v in defaults if getattr(self, k) == v}
         return self.model_dump_json(exclude=absent or None).encode()

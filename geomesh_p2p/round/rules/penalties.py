@@ -200,6 +200,24 @@ class Penalties:
             )
         return None
 
+    def lead_from(self, round: int) -> Optional[int]:
+        """The first round at which :meth:`lead_gap` lets this peer lead again if it applies each round from ``round``
+        on (None: no gap at ``round``), announced in its record (``PeerRecord.lead_from``) so that the others do not
+        wait a whole take-over delay for its plan (fresh user 51: ranked first everywhere but here, it cost 4-8 s a
+        round for up to 18 rounds after a restart, re-sync or join). Exact over the runs: a run that reaches round
+        ``round - 1`` goes on from its first round, any other starts anew at ``round``; the own marks need
+        ``MARK_SPAN_ROUNDS`` rounds of it, the owner penalties ``OWNER_PENALTY_ROUNDS`` (``owners_known`` or
+        ``applied``). A lower bound of the gap's end: a round missed later moves it on (the next record says so);
+        only the owner penalties taken from the voters (:meth:`take_owner_bars`) can end it sooner, and then this
+        peer publishes beside the next candidate, whose plan ranks worse and is not followed."""
+        own = _free_from(self.own_known, round, MARK_SPAN_ROUNDS)
+        owners = min(
+            _free_from(self.owners_known, round, OWNER_PENALTY_ROUNDS),
+            _free_from(self.applied, round, OWNER_PENALTY_ROUNDS),
+        )
+        end = max(own, owners)
+        return end if end > round else None
+
     def follower_late(self, round: int, participants, supported) -> dict[str, float]:
         """The late ceilings this peer checks a plan of ``round`` with (``late`` of
         :func:`~geomesh_p2p.plan.planner.check_plan`): :meth:`late_ceilings` when it :meth:`holds` every mark that
@@ -554,6 +572,13 @@ def _extended(run: Optional[tuple[int, int]], round: int) -> tuple[int, int]:
 def _covers(run: Optional[tuple[int, int]], round: int, span: int) -> bool:
     """Whether ``run`` (first, last round) holds each of rounds ``round - span`` .. ``round - 1`` (none before 0)."""
     return round <= 0 or (run is not None and run[0] <= max(0, round - span) and run[1] >= round - 1)
+
+
+def _free_from(run: Optional[tuple[int, int]], round: int, span: int) -> int:
+    """The first round ``R >= round`` that ``run`` :func:`_covers` with ``span`` once each of rounds ``round`` ..
+    ``R - 1`` is added to it (:func:`_extended`): ``round`` when it covers it already."""
+    start = run[0] if run is not None and run[1] >= round - 1 else round
+    return round if round <= 0 or start == 0 else max(round, start + span)
 
 
 def _joined(run: Optional[tuple[int, int]], first: int, last: int) -> Optional[tuple[int, int]]:
