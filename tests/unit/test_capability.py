@@ -366,9 +366,31 @@ def test_profile_training_time_budget_bounds_the_sizes_tried():
     assert sorted(prof.tokens_per_s) == [1, 2] and prof.skipped[:2] == [4, 8]
 
 
-def test_rss_probe_sees_an_allocation():
+def test_rss_probe_sees_an_allocation(monkeypatch):
+    import threading
+
+    from geomesh_p2p.model import memory
+
+    reads = [0]
+    read = threading.Condition()
+    real = memory._rss_bytes
+
+    def counted():
+        v = real()
+        with read:
+            reads[0] += 1
+            read.notify_all()
+        return v
+
+    monkeypatch.setattr(memory, "_rss_bytes", counted)
+
     def alloc():
         x = torch.ones(64 * MIB // 4)  # 64 MiB, touched
+        # held until the sampler read RSS twice more (a wait on its reads, not on time: at load ~16 the whole
+        # allocation once came and went between two of its 2 ms samples)
+        with read:
+            seen = reads[0]
+            assert read.wait_for(lambda: reads[0] >= seen + 2, timeout=30)
         del x
 
     before, peak = rss_probe(alloc)
