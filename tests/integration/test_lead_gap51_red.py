@@ -106,3 +106,41 @@ async def test_a_gapped_peer_whose_gap_closed_early_and_plans_slowly_splits_noth
     nxt = leader_order(RUN.run_id, R, ids)[1]
     assert nxt == ids[1] or nxt == ids[0]
     assert len(set(led)) == 1, led
+
+
+@pytest.mark.parametrize("seen", [(True, False), (False, True)])
+@pytest.mark.parametrize("rogue_publishes", [False, True])
+async def test_a_gap_flipped_between_reads_splits_nothing(seen: tuple[bool, bool], rogue_publishes: bool):
+    """A rogue G (ranked first) flips its ``lead_from`` between reads: one of A and B reads a gap, the other none.
+    G stays silent, or publishes at once: every peer follows one plan (G's when it published), none gives up."""
+    idents, recs = _swarm()
+    ids = [x.peer_id for x in recs]
+    g = ids[2]
+    nodes = {p: _node(recs, p, marks_from=0) for p in ids}
+    views = [recs[:2] + [_with_gap(recs[2], R + 18) if s else recs[2]] for s in seen] + [recs]
+    dht = MemoryDHT()
+    if rogue_publishes:
+        assert await PlanStore(dht.view(), idents[2], RUN.run_id).publish(nodes[g].make_plan(recs, g))
+
+    async def agree(k: int):
+        members = views[k]
+        live, node = {x.peer_id: x for x in members}, nodes[ids[k]]
+        cands = node.leader_candidates(members, live)[1]
+        assert g in cands  # ranked first by all: silent, it costs a plan timeout where no gap is read
+        got = await obtain_plan(
+            PlanStore(dht.view(), idents[k], RUN.run_id),
+            R,
+            members,
+            node.make_plan,
+            plan_timeout_s=1.0,
+            settle_s=0.05,
+            poll_s=0.05,
+            accept=lambda plan: node.plan_problem(plan, live),
+            candidates=cands,
+            gapped=announced_gaps(live, cands, R, ids[k]),
+        )
+        return None if got is None else got.leader
+
+    led = await asyncio.gather(*(agree(k) for k in range(2 + rogue_publishes)))
+    want = g if rogue_publishes else leader_order(RUN.run_id, R, ids)[1]
+    assert list(led) == [want] * len(led)
