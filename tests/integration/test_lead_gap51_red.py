@@ -144,3 +144,26 @@ async def test_a_gap_flipped_between_reads_splits_nothing(seen: tuple[bool, bool
     led = await asyncio.gather(*(agree(k) for k in range(2 + rogue_publishes)))
     want = g if rogue_publishes else leader_order(RUN.run_id, R, ids)[1]
     assert list(led) == [want] * len(led)
+
+
+def test_malformed_lead_from_values_gap_nothing_or_refuse_only_their_own_record():
+    """Wire values of ``lead_from``: out of [0, 2**40] or of another type, the record itself is refused (only its
+    sender's: an honest one names a round past its own, at most MARK_SPAN_ROUNDS + OWNER_PENALTY_ROUNDS ahead); a
+    value coerced to an int (``true``, ``"7"``) is a round like any other, and one at or before the round gaps
+    nothing. A record without the field (0.18.0) gaps nothing; the largest value gaps its sender only, which still
+    ranks and is followed when it publishes (test_lead_gap51.py)."""
+    import json
+
+    from geomesh_p2p.schema.peer import PeerRecord
+
+    _, recs = _swarm()
+    raw = json.loads(recs[2].to_bytes())
+    for bad in (-1, (1 << 40) + 1, [R + 1], 1.5, {"r": R + 1}):
+        with pytest.raises(ValueError):
+            PeerRecord.from_bytes(json.dumps({**raw, "lead_from": bad}).encode())
+    ids = [x.peer_id for x in recs]
+    for value, gapped in ((True, False), (str(R), False), (str(R + 1), True), (1 << 40, True), (None, False)):
+        rec = PeerRecord.from_bytes(json.dumps({**raw, "lead_from": value}).encode())
+        live = {x.peer_id: x for x in recs[:2] + [rec]}
+        assert announced_gaps(live, ids, R, ids[0]) == ([ids[2]] if gapped else []), value
+        assert announced_gaps(live, ids, R, ids[2]) == []  # its own announcement never shortens its own wait
