@@ -626,9 +626,19 @@ async def obtain_plan(
                 )
                 my_turn = None
                 continue
-            if best is not None and swarm_time() >= best.created_at:
-                # Planning took long (a loaded CPU) and the worse-ranked plan read before it has started by
-                # now: publishing would split the round. Follow it instead.
+            # Read again: a plan stored while this peer planned (the next candidate's, its turn brought forward by an
+            # announced gap: red team 51d) may have started, its followers settled on it.
+            best = choose_plan(store.run_id, round, await store.read(round, check_fn, signed, **readable())) or best
+            if my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me} - absent:
+                continue  # a last resort that now reads a member's plan: it waits, as if read before planning (above)
+            if (
+                best is not None
+                and (swarm_time() >= best.created_at or rank(best.leader) < rank(me))
+                or publish_blocked()
+            ):
+                # Planning took long (a loaded CPU) and a worse-ranked plan has started by now (publishing would
+                # split the round), or a better-ranked one appeared, or a candidate's plan this peer refuses:
+                # follow or wait instead.
                 my_turn = None
                 continue
             published = await store.publish(plan)
