@@ -114,6 +114,8 @@ def record_state(node: PeerNode) -> dict:
         if policy is not None and pen is not None and not unsure and pen.state.round == node.round
         else None
     )
+    if policy is not None:
+        policy.announced_lead_from = gap  # what it announces it keeps to (NodeRoundPolicy.leader_candidates)
     return {
         "round": node.round,
         "weights_digest": None if unsure else node.digest,

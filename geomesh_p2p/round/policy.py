@@ -89,6 +89,9 @@ class NodeRoundPolicy:
         self.accountable = accountable
         self._lead_gap_said: Optional[str] = None  # the gap last said (one INFO line a gap: _gap_key)
         self._told_said: set[str] = set()  # the last marks taken from the peers' own records (one INFO line a set)
+        #: the ``lead_from`` this peer's record last announced (``node.training.record_state``): kept to, see
+        #: :meth:`leader_candidates`
+        self.announced_lead_from: Optional[int] = None
         if accountable is not None:
             accountable.undo_on = self.undo_on
 
@@ -192,8 +195,14 @@ class NodeRoundPolicy:
                 "round %d: this peer is no leader candidate: %s (its plan could break a mark the others hold)", r, gap
             )
         self._lead_gap_said = key
-        if gap is not None or (
-            MethodRule.from_run(self.planning.run_cfg).balanced and self.planning.delivered_evidence(r) is None
+        # A gap its record announced for this round is kept to, also when it closed since (the owner vote above): the
+        # others took the next candidate's turn at once on the announcement, and a plan of this peer's published late
+        # beside that one could be followed by some peers and not others (red team 51d's split, gap51)
+        kept = self.announced_lead_from is not None and self.announced_lead_from > r
+        if (
+            gap is not None
+            or kept
+            or (MethodRule.from_run(self.planning.run_cfg).balanced and self.planning.delivered_evidence(r) is None)
         ):
             cands = [c for c in cands if c != me]
         return members, cands

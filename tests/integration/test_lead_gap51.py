@@ -143,6 +143,7 @@ def test_the_record_announces_the_gap_in_sync_only():
             resync=SimpleNamespace(syncing=syncing), round=R, digest="d", penalties=policy.penalties, policy=policy
         )
         assert record_state(node)["lead_from"] == want
+        assert policy.announced_lead_from == want  # what it keeps to (test_lead_gap51_red: the gap kept)
     policy.profile.supported_tps = None
     policy.penalties.held_since(0)
     assert policy.lead_from(R) == (R + 1 if MethodRule.from_run(RUN).balanced else None)

@@ -167,3 +167,20 @@ def test_malformed_lead_from_values_gap_nothing_or_refuse_only_their_own_record(
         live = {x.peer_id: x for x in recs[:2] + [rec]}
         assert announced_gaps(live, ids, R, ids[0]) == ([ids[2]] if gapped else []), value
         assert announced_gaps(live, ids, R, ids[2]) == []  # its own announcement never shortens its own wait
+
+
+def test_a_peer_keeps_to_the_gap_its_record_announced_when_the_gap_closed_since():
+    """The root of finding 1: a peer whose record announced ``lead_from`` past this round leads nothing in it, also
+    when its own rules let it lead by now (the owner vote closed the gap after the record was stored): the others
+    gave its turn to the next candidate on the announcement. The round after, with the record announcing none, it
+    is a candidate again."""
+    _, recs = _swarm()
+    ids = [x.peer_id for x in recs]
+    g = _node(recs, ids[2], marks_from=0)  # holds every mark: no lead_gap of its own
+    live = {x.peer_id: x for x in recs}
+    assert ids[2] in g.leader_candidates(recs, live)[1]
+    g.announced_lead_from = R + 1  # what node.training.record_state wrote into its round-R record
+    assert ids[2] not in g.leader_candidates(recs, live)[1]
+    for announced in (R, None):  # a gap ending at this round, or none: it may lead
+        g.announced_lead_from = announced
+        assert ids[2] in g.leader_candidates(recs, live)[1]
