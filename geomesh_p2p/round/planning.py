@@ -458,7 +458,7 @@ def last_resort(
         return []
     resorts = sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
     est = established_resorts(drv, members, candidates, resorts)
-    if drv.me not in est:
+    if drv.me not in est and drv._plan_misses[2] < NEWCOMER_RESORT_MISSES:
         if drv._plan_misses[2] == 1:
             log.info(
                 "round %d: no plan appeared in a whole attempt; this peer is on probation in its own view while "
@@ -468,7 +468,10 @@ def last_resort(
                 ", ".join(p[:10] for p in sorted(set(candidates) | set(est))) or "none",
             )
         return []
-    if drv._plan_misses[2] == 1:  # the first escalated attempt of this round: said once
+    late = drv.me not in est
+    if late:  # the established ones published nothing in a whole escalated attempt either (red team 51c)
+        est = resorts
+    if drv._plan_misses[2] == (NEWCOMER_RESORT_MISSES if late else 1):  # its first attempt as a last resort: once
         events.emit(
             log,
             logging.WARNING,
@@ -489,6 +492,14 @@ def last_resort(
     # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round). A peer on
     # probation is none while an established peer may lead (established_resorts, fresh user 51).
     return est
+
+
+#: Attempts at a round and state that ended with no plan at all before a peer on probation in its own view is a last
+#: resort beside an established one (:func:`established_resorts`). Red team 51c: with 1 (never), one established
+#: peer that stays live and publishes nothing, not even as a last resort (a rogue, or one whose own view leaves it
+#: out), held every newcomer of a young swarm out of leading while its record lived: no plan at all, for ever. The
+#: established last resorts publish in the second attempt; a newcomer reaches the third only if none did.
+NEWCOMER_RESORT_MISSES = 2
 
 
 def established_resorts(
