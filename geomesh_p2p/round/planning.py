@@ -22,7 +22,7 @@ from geomesh_p2p.round import resync as resync_rules
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
-from geomesh_p2p.round.last_plan import Recovered, recover, remember
+from geomesh_p2p.round.last_plan import Recovered, named_refs, plan_ref, recover, remember
 from geomesh_p2p.round.steps import inner_steps
 
 if TYPE_CHECKING:
@@ -199,7 +199,12 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
             leader=held.plan.leader,
         )
         note = getattr(getattr(drv, "policy", None), "note_recovered_plan", None)
-        if note is not None and drv.state.digest != held.plan.start_digest and note(held.plan):
+        if (
+            note is not None
+            and drv.state.digest != held.plan.start_digest
+            and vouched(list(live.values()), r, drv.state.digest, voters, held.plan)
+            and note(held.plan)
+        ):
             # the plan made this state (its voters hold it) and named this peer, which ran none of it: the marks the
             # others took on it there (fresh user 51)
             log.info(
@@ -225,6 +230,17 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
             round=r,
         )
     return held
+
+
+def vouched(records: list, r: int, digest: Optional[str], voters: Sequence[str], plan: RoundPlan) -> bool:
+    """Whether more than half of ``voters``' ``records`` at round ``r`` and ``digest`` name ``plan`` (round ``r - 1``'s),
+    not only more than half of the references named: a recovered plan's marks (``note_recovered_plan``) are taken on
+    their word alone. Red team 51c: where the honest voters name none (a joint restart, red team 48), one rogue's
+    reference to a plan it forged naming this peer was taken, and this peer benched itself and barred itself from
+    owning parts for marks no honest peer held (it would refuse their plans naming it an owner)."""
+    who = set(voters)
+    n = len({x.peer_id for x in records if x.peer_id in who and x.round == r and digest and x.weights_digest == digest})
+    return named_refs(records, r, digest, voters)[plan_ref(plan)] * 2 > n
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:

@@ -9,10 +9,10 @@ Findings (worst first):
    itself out of the last resorts at every attempt. Now a newcomer is a last resort from the third attempt of a
    round and state with no plan at all; the established last resorts still publish alone in the second (fresh user
    51's round 20 is unchanged).
-2. Open (strict xfail): one rogue voter's reference, where the honest voters at this peer's round and state name no
-   plan (a joint restart, red team 48), makes a peer take the marks of a forged round r - 1 plan naming it: a bench
-   and an owner bar the honest peers never took (before split51 a forged recovered plan moved only one round's
-   leader rule).
+2. Fixed here (``planning.vouched``): one rogue voter's reference, where the honest voters at this peer's round and
+   state name no plan (a joint restart, red team 48), made a peer take the marks of a forged round r - 1 plan naming
+   it: a bench and an owner bar the honest peers never took (before split51 a forged recovered plan moved only one
+   round's leader rule). Now the marks are taken only when more than half of the voters name that plan.
 
 Counts and values, no timings."""
 
@@ -84,13 +84,9 @@ def test_the_established_last_resort_alone_publishes_in_the_second_attempt_round
     assert last_resort(_drv(p4, P4, NEWCOMER_RESORT_MISSES), 20, recs, [P3]) == sorted([P1, P4])  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: where the honest voters at this peer's round and state name no plan (a joint restart), one rogue "
-    "voter's reference to a forged round r - 1 plan naming this peer is taken (red team 48's rule) and since split51 "
-    "it takes that plan's sit-out marks: a bench and an owner bar that no honest peer holds",
-)
 async def test_one_rogue_voters_forged_plan_does_not_bench_an_honest_peer():
+    """The plan is taken (red team 48's rule: most voters name none, the one readable reference counts) but its
+    marks only when more than half of the voters name it (``planning.vouched``); both voters naming it: taken."""
     from geomesh_p2p.plan.agree import PlanStore
     from geomesh_p2p.round.last_plan import plan_ref
     from geomesh_p2p.round.planning import recover_last_plan
@@ -98,21 +94,24 @@ async def test_one_rogue_voters_forged_plan_does_not_bench_an_honest_peer():
     from tests.unit.test_last_plan import _plan as real_plan
     from tests.unit.test_round import RUN, MemoryDHT, _record
 
-    ident, pid = _peers("RHA")
-    dht = MemoryDHT()
-    forged = real_plan(ident, pid, "R", "RHA", round=2)  # R signs a round 2 plan naming A, start digest d0
-    assert await PlanStore(dht.view(), ident["R"], RUN).publish(forged)
-    rules = make_rules(me=pid["A"], round=2, digest="d1")  # A applied rounds 0-1 (it holds its own marks)
-    rules.state.round = 3
-    drv = SimpleNamespace(
-        _plan_seen=None,
-        plans=SimpleNamespace(plan_of=PlanStore(dht.view(), ident["A"], RUN).read_exact),
-        state=SimpleNamespace(digest="d1"),
-        me=pid["A"],
-        policy=rules,
-    )
-    rogue = _record(ident["R"], 1.0).model_copy(update={"last_plan": plan_ref(forged), "weights_digest": "d1"})
-    honest = _record(ident["H"], 1.0).model_copy(update={"weights_digest": "d1"})  # resumed: names no plan
-    live = {x.peer_id: x for x in (rogue, honest)}
-    assert await recover_last_plan(drv, 3, live, [pid["R"], pid["H"]]) is None  # type: ignore[arg-type]
-    assert pid["A"] not in rules.penalties.unled() and pid["A"] not in rules.penalties.barred()
+    for both in (False, True):
+        ident, pid = _peers("RHA")
+        dht = MemoryDHT()
+        forged = real_plan(ident, pid, "R", "RHA", round=2)  # R signs a round 2 plan naming A, start digest d0
+        assert await PlanStore(dht.view(), ident["R"], RUN).publish(forged)
+        rules = make_rules(me=pid["A"], round=2, digest="d1")  # A applied rounds 0-1 (it holds its own marks)
+        rules.state.round = 3
+        drv = SimpleNamespace(
+            _plan_seen=None,
+            plans=SimpleNamespace(plan_of=PlanStore(dht.view(), ident["A"], RUN).read_exact),
+            state=SimpleNamespace(digest="d1"),
+            me=pid["A"],
+            policy=rules,
+        )
+        rogue = _record(ident["R"], 1.0).model_copy(update={"last_plan": plan_ref(forged), "weights_digest": "d1"})
+        named = {"last_plan": plan_ref(forged)} if both else {}  # not both: H resumed, it names no plan
+        honest = _record(ident["H"], 1.0).model_copy(update={"weights_digest": "d1", **named})
+        live = {x.peer_id: x for x in (rogue, honest)}
+        assert await recover_last_plan(drv, 3, live, [pid["R"], pid["H"]]) is None  # type: ignore[arg-type]
+        assert drv._plan_seen.to_bytes() == forged.to_bytes()  # the leader rule is red team 48's, as before
+        assert (pid["A"] in rules.penalties.unled()) is both and (pid["A"] in rules.penalties.barred()) is both
