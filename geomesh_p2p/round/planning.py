@@ -22,7 +22,7 @@ from geomesh_p2p.round import resync as resync_rules
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
-from geomesh_p2p.round.last_plan import Recovered, recover, remember
+from geomesh_p2p.round.last_plan import Recovered, named_refs, plan_ref, recover, remember
 from geomesh_p2p.round.steps import inner_steps
 
 if TYPE_CHECKING:
@@ -199,7 +199,12 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
             leader=held.plan.leader,
         )
         note = getattr(getattr(drv, "policy", None), "note_recovered_plan", None)
-        if note is not None and drv.state.digest != held.plan.start_digest and note(held.plan):
+        if (
+            note is not None
+            and drv.state.digest != held.plan.start_digest
+            and vouched(list(live.values()), r, drv.state.digest, voters, held.plan)
+            and note(held.plan)
+        ):
             # the plan made this state (its voters hold it) and named this peer, which ran none of it: the marks the
             # others took on it there (fresh user 51)
             log.info(
@@ -225,6 +230,17 @@ async def recover_last_plan(drv: RoundDriver, r: int, live: dict, candidates: Se
             round=r,
         )
     return held
+
+
+def vouched(records: list, r: int, digest: Optional[str], voters: Sequence[str], plan: RoundPlan) -> bool:
+    """Whether more than half of ``voters``' ``records`` at round ``r`` and ``digest`` name ``plan`` (round ``r - 1``'s),
+    not only more than half of the references named: a recovered plan's marks (``note_recovered_plan``) are taken on
+    their word alone. Red team 51c: where the honest voters name none (a joint restart, red team 48), one rogue's
+    reference to a plan it forged naming this peer was taken, and this peer benched itself and barred itself from
+    owning parts for marks no honest peer held (it would refuse their plans naming it an owner)."""
+    who = set(voters)
+    n = len({x.peer_id for x in records if x.peer_id in who and x.round == r and digest and x.weights_digest == digest})
+    return named_refs(records, r, digest, voters)[plan_ref(plan)] * 2 > n
 
 
 async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
@@ -471,7 +487,7 @@ def last_resort(
         return []
     resorts = sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
     est = established_resorts(drv, members, candidates, resorts)
-    if drv.me not in est:
+    if drv.me not in est and drv._plan_misses[2] < NEWCOMER_RESORT_MISSES:
         if drv._plan_misses[2] == 1:
             log.info(
                 "round %d: no plan appeared in a whole attempt; this peer is on probation in its own view while "
@@ -481,7 +497,10 @@ def last_resort(
                 ", ".join(p[:10] for p in sorted(set(candidates) | set(est))) or "none",
             )
         return []
-    if drv._plan_misses[2] == 1:  # the first escalated attempt of this round: said once
+    late = drv.me not in est
+    if late:  # the established ones published nothing in a whole escalated attempt either (red team 51c)
+        est = resorts
+    if drv._plan_misses[2] == (NEWCOMER_RESORT_MISSES if late else 1):  # its first attempt as a last resort: once
         events.emit(
             log,
             logging.WARNING,
@@ -502,6 +521,14 @@ def last_resort(
     # ``[me]`` alone both sat at the same instant and, refusing each other's plans, split the round). A peer on
     # probation is none while an established peer may lead (established_resorts, fresh user 51).
     return est
+
+
+#: Attempts at a round and state that ended with no plan at all before a peer on probation in its own view is a last
+#: resort beside an established one (:func:`established_resorts`). Red team 51c: with 1 (never), one established
+#: peer that stays live and publishes nothing, not even as a last resort (a rogue, or one whose own view leaves it
+#: out), held every newcomer of a young swarm out of leading while its record lived: no plan at all, for ever. The
+#: established last resorts publish in the second attempt; a newcomer reaches the third only if none did.
+NEWCOMER_RESORT_MISSES = 2
 
 
 def established_resorts(
