@@ -6,9 +6,11 @@ tier starts ~200 of them on 2 shared cores. A *zygote* (Android's name for the s
 third-party packages once per pytest worker and forks a child per process asked for; the child runs the module
 exactly as ``python -m`` would (``runpy._run_module_as_main``: ``__name__ == "__main__"``, ``sys.argv``,
 ``sys.path[0]`` the working directory), with its own stdout/stderr log, environment, working directory and
-signal dispositions. Nothing of ``geomesh_p2p``, ``peer`` or ``bootstrap`` is imported before the fork: each child
-imports the project's code itself, as a fresh interpreter does (import-time state, its PID, its clocks). The one
-difference: the zygote's imports are already frozen (``gc.freeze``), as a peer's or bootstrap's own start-up freeze
+signal dispositions. The library's modules a peer's start imports (:data:`PRELOAD_PROJECT`, none of which starts a
+thread, opens a gRPC channel or reads anything per process but one clock, re-read in the child) are imported once
+before the fork too (~0.4 CPU-s a child less), from the files a cold child would import (else the child drops them);
+the ``peer`` and ``bootstrap`` packages are not (their import reads the process's argv): each child imports
+those itself, as a fresh interpreter does. One more difference: the zygote's imports are already frozen (``gc.freeze``), as a peer's or bootstrap's own start-up freeze
 (``geomesh_p2p.util.exit_gc.freeze_startup_heap``) would leave them; ``ZygoteChild.frozen_at_fork`` says how many.
 
 What a child is not: a child of the test process. :class:`ZygoteChild` stands in for ``subprocess.Popen`` (``pid``,
@@ -72,6 +74,31 @@ PRELOAD = (
     "http.server",
     "wsgiref.simple_server",
 )
+#: the library's modules a peer's or bootstrap's start imports (these pull in the ~200 of them, ~0.4 CPU-s a child):
+#: after the third-party ones, each in the zygote once. Not the ``peer`` and ``bootstrap`` packages: importing them
+#: sets ``GRPC_VERBOSITY`` from the process's own argv (geomesh_p2p.util.grpc_env.quiet_grpc_core), which the child
+#: does itself. Checked (tests/e2e/test_zygote.py): importing these starts no thread (neither Python's nor the
+#: OS's), creates no gRPC channel or server, reads no environment variable a child could see changed (a child's
+#: environment is the zygote's), and reads one clock (net.swarm_time's step watch, marked again in each child).
+PRELOAD_PROJECT = (
+    "geomesh_p2p.config.flags",
+    "geomesh_p2p.config.models",
+    "geomesh_p2p.util.exit_gc",
+    "geomesh_p2p.util.fds",
+    "geomesh_p2p.util.malloc",
+    "geomesh_p2p.util.aio",
+    "geomesh_p2p.util.errors",
+    "geomesh_p2p.util.procs",
+    "geomesh_p2p.model.presets",
+    "geomesh_p2p.model.ckpt_files",
+    "geomesh_p2p.dht.preflight",
+    "geomesh_p2p.node.host",
+    "geomesh_p2p.node.peer",
+    "geomesh_p2p.node.ranks",
+)
+#: the top-level package of :data:`PRELOAD_PROJECT`: a child whose ``sys.path`` finds it elsewhere (another
+#: checkout first on its path) drops the preloaded modules and imports its own, as a cold interpreter would
+PROJECT_PACKAGE = "geomesh_p2p"
 ENABLED = os.environ.get("GEOMESH_TEST_ZYGOTE", "1") != "0"
 START_TIMEOUT_S = 180.0  # the zygote's imports on a loaded 2-core machine (a cold peer's take up to ~70 s at load 15)
 
@@ -105,8 +132,38 @@ def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
         "numpy" in sys.modules
     ):  # a fresh interpreter seeds numpy's global generator from the OS (random re-seeds itself)
         sys.modules["numpy"].random.seed()
+    _same_project_files()
     if req.get("netns"):  # last: a failure is the child's (its traceback in its log, exit status 1)
         _enter_netns(req["netns"])
+
+
+def _same_project_files() -> None:
+    """In a forked child (``sys.path`` as the child's): keep the preloaded :data:`PROJECT_PACKAGE` modules only if a
+    cold interpreter would import the same files (its package found at the same place on the child's path);
+    else drop them all (the child imports its own). Then restart what the preload read of the clock (the step
+    watch of geomesh_p2p.net.swarm_time counts wall-clock steps from its import: a cold child's from its start)."""
+    import importlib.machinery
+
+    pkg = sys.modules.get(PROJECT_PACKAGE)
+    if pkg is None:
+        return
+    spec = importlib.machinery.PathFinder.find_spec(PROJECT_PACKAGE, sys.path)
+    if spec is None or spec.origin != pkg.__file__:
+        for name in [m for m in sys.modules if m == PROJECT_PACKAGE or m.startswith(PROJECT_PACKAGE + ".")]:
+            del sys.modules[name]
+        return
+    swarm_time = sys.modules.get("geomesh_p2p.net.swarm_time")
+    if swarm_time is not None:
+        swarm_time._steps.mark()
+
+
+def os_threads() -> int:
+    """This process's threads as the OS counts them (``/proc/self/task``): Python's and native ones (gRPC's
+    pollers, a BLAS or OpenMP pool), which ``threading.enumerate`` does not see. 1 where /proc is not there."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
 
 
 #: ``ip netns exec NAME`` in front of a ``python -m`` command line (tests/e2e/test_slow_link.py's joiner behind a
@@ -148,7 +205,12 @@ def serve() -> Optional[dict]:
             __import__(name)
         except ImportError:
             pass  # an optional package: the child imports what it needs itself
+    native = os_threads()  # the third-party imports' own pools (OpenBLAS's: ~2 idle workers, fork-safe)
+    for name in PRELOAD_PROJECT:
+        __import__(name)  # the project's own: a failure is the zygote's (the caller starts every process cold)
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if not threads and os_threads() != native:  # e.g. a gRPC channel's poller: not forked with
+        threads = [f"{os_threads() - native} native thread(s) started by the project's imports"]
     # The imports' ~400,000 GC-tracked objects into the permanent generation, as a peer's own start does
     # (geomesh_p2p/util/exit_gc.freeze_startup_heap: collect, then freeze), here once before the forks: a child's own
     # start-up collection then scans only what it made (~0.2 CPU-s less), and no collection in a child writes to the
@@ -163,7 +225,11 @@ def serve() -> Optional[dict]:
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that set_wakeup_fd writes on SIGCHLD
     signal.set_wakeup_fd(wake_w)
-    print(json.dumps({"socket": path, "threads": threads, "frozen": gc.get_freeze_count()}), flush=True)
+    project = sorted(m for m in sys.modules if m.split(".")[0] in (PROJECT_PACKAGE, "peer", "bootstrap"))
+    print(
+        json.dumps({"socket": path, "threads": threads, "frozen": gc.get_freeze_count(), "project": project}),
+        flush=True,
+    )
     children: dict[int, socket.socket] = {}
     stdin = sys.stdin.fileno()
     while True:
@@ -322,6 +388,8 @@ class Zygote:
         self.threads: list = hello["threads"]
         self.usable = not self.threads  # else every process starts cold (spawn returns None)
         self.frozen: int = hello.get("frozen", 0)
+        #: the project's modules imported in the zygote before any fork (:data:`PRELOAD_PROJECT` and theirs)
+        self.project: list = hello.get("project", [])
         if not line:
             self.stop()
 

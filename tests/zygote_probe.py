@@ -4,6 +4,7 @@ waits for a signal (a Ctrl+C ends it as an uncaught KeyboardInterrupt does)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -23,6 +24,8 @@ if __name__ == "__main__":
         "netns": os.readlink("/proc/self/ns/net"),  # the network namespace it runs in
         "project_imported": sorted(m for m in sys.modules if m.split(".")[0] in ("geomesh_p2p", "peer", "bootstrap")),
     }
+    # the files the project's code runs from (a preloaded module's, or the one a cold import would load)
+    seen["project_files"] = {m: importlib.util.find_spec(m).origin for m in ("geomesh_p2p", "geomesh_p2p.config.flags")}
     print(json.dumps(seen), flush=True)
     if sys.argv[1:2] == ["exit"]:
         sys.exit(int(sys.argv[2]))

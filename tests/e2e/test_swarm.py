@@ -53,11 +53,12 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
         assert _bad_lines(swarm.text(n)) == [], (n, swarm.text(n)[-3000:])
     # each peer, a `geomesh-peer join` process of its own, froze its start-up heap once built (issue 27: the run's
     # full collections skip the imports' and the model's ~350,000 objects). A peer forked from the test zygote
-    # starts with the zygote's ~400,000 imported objects frozen (tests/zygote.py): its own freeze adds what it built
-    # after the fork (the project's modules, the model: ~19,000), and without it the count stays the zygote's.
+    # starts with the zygote's ~417,000 imported objects frozen (tests/zygote.py, the library's modules included): its
+    # own freeze adds what it built after the fork (the CLI package, the model: ~3,700), and without it the count
+    # stays the zygote's exactly.
     frozen = [json.loads((tmp_path / f"{n}.summary.json").read_text())["gc"]["frozen"] for n in names]
     at_fork = [getattr(swarm.procs[n], "frozen_at_fork", 0) for n in names]
-    assert all(f - z > (10_000 if z else 100_000) for f, z in zip(frozen, at_fork)), (frozen, at_fork)
+    assert all(f - z > (1_000 if z else 100_000) for f, z in zip(frozen, at_fork)), (frozen, at_fork)
     for n in names:  # "done" is a peer's closing line: the last round's agreement line comes before it (fresh user 44)
         t = swarm.text(n)
         assert "done (" in t and ": contributions (agreement" not in t[t.rindex("done (") :], t[-2000:]

@@ -1,7 +1,7 @@
 """The test zygote (tests/zygote.py) starts a process as ``python -m`` would: a forked child of the pre-imported
 interpreter sees the same ``__name__``, argv, ``sys.path[0]``, working directory, environment, signal dispositions
-and empty stdin as a cold interpreter started by ``subprocess.Popen``, has imported nothing of the project, and
-ends with the same exit status (a code, an uncaught Ctrl+C, a SIGKILL)."""
+and empty stdin as a cold interpreter started by ``subprocess.Popen``, runs the project's code from the same
+files (the zygote's preloaded library modules, no CLI package), and ends with the same exit status (a code, an uncaught Ctrl+C, a SIGKILL)."""
 
 from __future__ import annotations
 
@@ -50,18 +50,31 @@ def _seen(tmp_path: Path, name: str) -> dict:
     return json.loads((tmp_path / name).read_text().splitlines()[0])
 
 
+def _same_but_preload(forked: dict, cold: dict) -> None:
+    """``forked`` saw what ``cold`` saw, but for the modules preloaded by the zygote: the project's code from the
+    same files, none of the ``peer``/``bootstrap`` packages (whose import reads argv) imported before its start,
+    and nothing of the project a cold start had not imported beyond what the zygote preloaded."""
+    assert {k: v for k, v in forked.items() if k != "project_imported"} == {
+        k: v for k, v in cold.items() if k != "project_imported"
+    }
+    assert cold["project_imported"] == []
+    preloaded = zygote._zygote.project if zygote._zygote is not None else []
+    assert forked["project_imported"] == preloaded
+    assert not [m for m in preloaded if m.split(".")[0] in ("peer", "bootstrap")]
+
+
 @pytest.mark.skipif(not zygote.ENABLED, reason="GEOMESH_TEST_ZYGOTE=0")
 def test_a_forked_child_sees_what_a_cold_python_m_sees_and_exits_the_same_way(tmp_path):
     cold, forked = _cold(["exit", "3"], tmp_path, "cold.log"), _forked(["exit", "3"], tmp_path, "forked.log")
     assert (cold.wait(120), forked.wait(120)) == (3, 3)
     seen = _seen(tmp_path, "forked.log")
-    assert seen == _seen(tmp_path, "cold.log")
+    _same_but_preload(seen, _seen(tmp_path, "cold.log"))
     assert seen["name"] == "__main__" and seen["argv"] == ["exit", "3"] and seen["argv0"] == "zygote_probe.py"
     assert seen["path0"] == str(ROOT) and seen["unbuffered"] == "1" and seen["sigterm"]
     # Python's SIGINT handler, unless this test runs with SIGINT ignored (a background job of a script): then both
     # keep it ignored
     assert seen["sigint"] is (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
-    assert seen["stdin"] == "" and seen["project_imported"] == []
+    assert seen["stdin"] == "" and seen["project_files"]["geomesh_p2p"] == str(ROOT / "geomesh_p2p" / "__init__.py")
 
     # Ctrl+C: an uncaught KeyboardInterrupt ends both by SIGINT; SIGKILL: -9; poll() says so after wait(). With
     # SIGINT ignored here (a background job of a script) both children inherit SIG_IGN, as asserted above, and
@@ -83,6 +96,40 @@ def test_a_piped_child_streams_its_stdout_and_stderr(tmp_path):
     out = child.stdout.read()
     assert json.loads(out)["argv"] == ["exit", "0"]
     assert child.stderr.read() == "" and child.wait(60) == 0
+
+
+@pytest.mark.skipif(not zygote.ENABLED, reason="GEOMESH_TEST_ZYGOTE=0")
+def test_the_zygote_preloads_the_library_without_threads_and_a_child_elsewhere_imports_its_own(tmp_path):
+    """The zygote's project preload leaves it with one thread, the OS's count (no gRPC poller, no pool), and
+    imports the library's modules but neither CLI package. A child whose working directory holds another
+    ``geomesh_p2p`` (first on its ``sys.path``) runs that one's code, as a cold interpreter does there."""
+    child = _forked(["exit", "0"], tmp_path, "forked.log")
+    assert child.wait(120) == 0
+    z = zygote._zygote
+    assert z is not None and z.threads == [] and z.usable
+    assert "geomesh_p2p.node.peer" in z.project and "geomesh_p2p.config.flags" in z.project
+    assert not [m for m in z.project if m.split(".")[0] in ("peer", "bootstrap")]
+
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "geomesh_p2p" / "config").mkdir(parents=True)
+    (elsewhere / "geomesh_p2p" / "__init__.py").write_text("")
+    (elsewhere / "geomesh_p2p" / "config" / "__init__.py").write_text("")
+    (elsewhere / "geomesh_p2p" / "config" / "flags.py").write_text("")
+    # a probe of its own name there: the zygote's ``tests`` package is the repository's
+    (elsewhere / "zprobe.py").write_text((ROOT / "tests" / "zygote_probe.py").read_text())
+    argv = [sys.executable, "-m", "zprobe", "exit", "5"]
+    with open(tmp_path / "cold.log", "w") as out:
+        cold = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=elsewhere,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )  # fmt: skip
+    forked = zygote.spawn(argv, tmp_path / "forked.log", append=False, cwd=elsewhere)
+    assert forked is not None, zygote.last_refusal
+    assert (cold.wait(120), forked.wait(120)) == (5, 5)
+    seen, cold_seen = _seen(tmp_path, "forked.log"), _seen(tmp_path, "cold.log")
+    assert seen == cold_seen
+    assert seen["project_files"]["geomesh_p2p.config.flags"] == str(elsewhere / "geomesh_p2p" / "config" / "flags.py")
+    assert seen["project_imported"] == []
 
 
 def _netns_usable() -> bool:
@@ -111,8 +158,8 @@ def test_a_child_behind_ip_netns_exec_runs_in_that_namespace_as_a_cold_one_does(
         assert forked is not None, f"the zygote did not fork: {zygote.last_refusal}"
         assert (cold.wait(120), forked.wait(120)) == (4, 4)
         seen = _seen(tmp_path, "forked.log")
-        assert seen == _seen(tmp_path, "cold.log")
-        assert seen["netns"] != os.readlink("/proc/self/ns/net") and seen["project_imported"] == []
+        _same_but_preload(seen, _seen(tmp_path, "cold.log"))
+        assert seen["netns"] != os.readlink("/proc/self/ns/net")
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
