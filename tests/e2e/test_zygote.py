@@ -24,20 +24,22 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = [sys.executable, "-m", "tests.zygote_probe"]
 
 
-def _cold(args, tmp_path: Path, name: str) -> subprocess.Popen:
+def _cold(args, tmp_path: Path, name: str, argv=None, cwd: Path = ROOT) -> subprocess.Popen:
+    """The probe with ``args`` (or the whole command ``argv``) as a cold process in ``cwd``, output to ``name``."""
     with open(tmp_path / name, "w") as out:
         return subprocess.Popen(
-            PROBE + args,
+            argv or PROBE + args,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            cwd=ROOT,
+            cwd=cwd,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
 
 
-def _forked(args, tmp_path: Path, name: str):
-    child = zygote.spawn(PROBE + args, tmp_path / name, append=False, cwd=ROOT)
+def _forked(args, tmp_path: Path, name: str, argv=None, cwd: Path = ROOT):
+    """The same as :func:`_cold`, forked by the zygote (the test skips where this worker's zygote cannot fork)."""
+    child = zygote.spawn(argv or PROBE + args, tmp_path / name, append=False, cwd=cwd)
     if child is None and zygote.last_refusal.startswith("env:"):
         # an earlier test of this worker started the zygote under a changed environment: this worker's processes
         # start cold, which is correct; what this test compares cannot be seen here
@@ -118,13 +120,8 @@ def test_the_zygote_preloads_the_library_without_threads_and_a_child_elsewhere_i
     # a probe of its own name there: the zygote's ``tests`` package is the repository's
     (elsewhere / "zprobe.py").write_text((ROOT / "tests" / "zygote_probe.py").read_text())
     argv = [sys.executable, "-m", "zprobe", "exit", "5"]
-    with open(tmp_path / "cold.log", "w") as out:
-        cold = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=elsewhere,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )  # fmt: skip
-    forked = zygote.spawn(argv, tmp_path / "forked.log", append=False, cwd=elsewhere)
-    assert forked is not None, zygote.last_refusal
+    cold = _cold([], tmp_path, "cold.log", argv=argv, cwd=elsewhere)
+    forked = _forked([], tmp_path, "forked.log", argv=argv, cwd=elsewhere)
     assert (cold.wait(120), forked.wait(120)) == (5, 5)
     seen, cold_seen = _seen(tmp_path, "forked.log"), _seen(tmp_path, "cold.log")
     assert seen == cold_seen
@@ -147,15 +144,8 @@ def test_a_child_behind_ip_netns_exec_runs_in_that_namespace_as_a_cold_one_does(
         pytest.skip(f"ip netns add is not permitted: {made.stderr.strip()}")
     try:
         wrapped = ["ip", "netns", "exec", ns, *PROBE, "exit", "4"]
-        with open(tmp_path / "cold.log", "w") as out:
-            cold = subprocess.Popen(
-                wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )  # fmt: skip
-        forked = zygote.spawn(wrapped, tmp_path / "forked.log", append=False, cwd=ROOT)
-        if forked is None and zygote.last_refusal.startswith("env:"):
-            pytest.skip(f"the zygote cannot fork in this worker: {zygote.last_refusal}")
-        assert forked is not None, f"the zygote did not fork: {zygote.last_refusal}"
+        cold = _cold([], tmp_path, "cold.log", argv=wrapped)
+        forked = _forked([], tmp_path, "forked.log", argv=wrapped)
         assert (cold.wait(120), forked.wait(120)) == (4, 4)
         seen = _seen(tmp_path, "forked.log")
         _same_but_preload(seen, _seen(tmp_path, "cold.log"))
