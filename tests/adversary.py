@@ -605,15 +605,18 @@ class AdversaryNode(PeerNode):
                 res.aggregate = compression.encode_as(
                     kind, v * self.forge_factor, block_size=getattr(p, "block_size", 0) or 2048, tokens=p.tokens
                 ).to_bytes()
+            # a true aggregate of zeros (every contribution untrained: a loaded round 0) is served unchanged by the
+            # factor, so nothing is forged and nothing can be proven: the count lets a test tell (session 52)
             self._note(
                 int(res.round),
                 "forge",
-                "serving %gx the true aggregate of part %d [%d, %d) (%d elements)",
+                "serving %gx the true aggregate of part %d [%d, %d) (%d elements, %d nonzero)",
                 self.forge_factor,
                 res.part,
                 res.start,
                 res.end,
                 n,
+                int(torch.count_nonzero(v)),
                 key=str(res.part),
             )
         else:

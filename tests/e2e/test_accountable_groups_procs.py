@@ -32,14 +32,27 @@ KILL_ROUNDS = (1, 2)
 _ERROR = re.compile(r"^\d\d:\d\d:\d\d [EC] ", re.M)
 
 
-#: fresh swarms (new identities, so new groups and slices) when the forger owned no slice in round 0 (below); an
-#: abandoned swarm stops at the forger's round 0 (~30 s). 3 since session 45: a CI run drew 2 swarms in a row whose
-#: forger owned none (~1 in 5 swarms does, so 2 tries failed ~4 % of runs)
-TRIES = 3
+#: fresh swarms (new identities, so new groups and slices) when the forger owned no slice in round 0, forged a slice
+#: of zeros, or no honest peer led a grouped round of KILL_ROUNDS (below); an abandoned swarm stops at the forger's
+#: round 0 (~30 s) or at round 3. 3 since session 45: a CI run drew 2 swarms in a row whose forger owned none (~1 in
+#: 5 swarms does, so 2 tries failed ~4 % of runs); 4 since session 52 (two more reasons to start afresh under load)
+TRIES = 4
 
 
 def _leads(text: str, r: int) -> bool:
     return any(f"round {r}: grouped exchange" in line and "leads it" in line for line in text.splitlines())
+
+
+#: the forger's note of a forged part (tests.adversary.Adversary.forge_result): the nonzero elements of the true
+#: aggregate it multiplied
+_FORGED = re.compile(
+    r"round 0: forge: serving \S+ the true aggregate of part \d+ \[\d+, \d+\) \(\d+ elements, (\d+) nonzero\)"
+)
+
+
+def _round_0_over(swarm: AttackSwarm) -> bool:
+    """Whether the forger is past round 0 (its row of round 0, or any line of a later round)."""
+    return any(x.get("round") == 0 for x in swarm.rows("a0")) or bool(re.search(r"round [1-9]\d*: ", swarm.text("a0")))
 
 
 def _peer_id(swarm: AttackSwarm, name: str) -> str:
@@ -68,7 +81,10 @@ def test_a_killed_leader_and_a_forging_owner_leave_the_honest_survivors_equal_an
             swarm.stop_all(40.0 if checked else 0.0)
         if checked:
             return
-    pytest.fail(f"the forger owned no slice in round 0 in {TRIES} fresh swarms")
+    pytest.fail(
+        f"in {TRIES} fresh swarms the forger owned no slice with a nonzero aggregate in round 0, or no honest slice "
+        f"leader led a grouped round of {KILL_ROUNDS}"
+    )
 
 
 def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
@@ -91,15 +107,26 @@ def _forger_owned_a_slice_then_check(swarm: AttackSwarm) -> bool:
     swarm.wait_for(lambda: forger_round_0() is not None, 400, "the forger's round 0")
     if "owns slice" not in str(forger_round_0()):
         return False
+    # ... and its slice's true aggregate was not all zeros: -20x of zeros is the truth, nothing to prove (the CI run of
+    # stop 62 and a rerun at load ~20: 7 of 16 peers trained 0 steps in the loaded round 0, the forger's group all)
+    swarm.wait_for(lambda: _round_0_over(swarm), 400, "the end of the forger's round 0")
+    if not any(int(k) > 0 for k in _FORGED.findall(swarm.text("a0"))):
+        return False
 
     def leader() -> tuple[str, int] | None:
         return next(((n, r) for r in KILL_ROUNDS for n in honest if _leads(swarm.text(n), r)), None)
 
+    # a swarm whose rounds 1-2 went flat (round-0 no-shows under load planned out, fewer established participants
+    # than groups) has no grouped leader to kill: once an honest peer is past them, a fresh swarm (CI, session 51)
+    after = f"round {KILL_ROUNDS[-1] + 1}:"
     swarm.wait_for(
-        lambda: leader() is not None, 400, f"an honest slice leader's grouped exchange in rounds {KILL_ROUNDS}"
+        lambda: leader() is not None or any(after in swarm.text(n) for n in honest),
+        400,
+        f"an honest slice leader's grouped exchange in rounds {KILL_ROUNDS}",
     )
     found = leader()
-    assert found is not None
+    if found is None:
+        return False
     victim, kill_round = found
     swarm.kill(victim)
     rest = [n for n in honest if n != victim]
