@@ -139,12 +139,6 @@ async def test_a_winner_that_left_mid_wait_and_came_back_gives_the_loser_a_new_w
     assert drv.ended is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a 1-1-1 tie at one round (three checkpoints, three digests): the two losers' standing vote backs "
-    "no state (no majority), so neither re-syncs to the winner nor, once it trains, catches up to its later round "
-    "(no majority either); both end exit 3 (tie_lost) and the winner trains on alone",
-)
 async def test_a_three_way_tie_ends_on_one_lineage(monkeypatch):
     a, b, c = ids = [_pid() for _ in range(3)]
     digest = {a: "a" * 16, b: "b" * 16, c: "c" * 16}
@@ -204,13 +198,6 @@ async def test_a_partner_flipping_its_digest_is_said_a_bounded_number_of_times()
     assert got != "held" and len(said) <= 2, (got, len(said))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (low: a rogue with standing pulls the same peer by a later round already): the re-sync of a tie "
-    "lost (gather.rejoin -> RoundDriver.resync -> StateSync.catch_up) downloads what a fresh vote backs, not the "
-    "state rejoin_state chose; a rogue that announces a larger digest, then a smaller one, moves the peer onto a "
-    "state that loses the tie to its own",
-)
 async def test_the_re_sync_of_a_tie_lost_downloads_the_state_the_rule_chose(monkeypatch):
     me, rogue = _pid(), _pid()
     records = [_rec(rogue, round=46, digest="f" * 16, port=7001, attests={me: 32})]
