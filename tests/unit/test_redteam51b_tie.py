@@ -11,8 +11,9 @@ smaller digest or an earlier round it made it train alone after ``--wait-peers-s
 the partners); a winner that left mid-wait and came back found the loser's wait already spent (it ended at once);
 a partner flipping its digest every read was said in one INFO line per read.
 A loser that re-synced to the winner was no longer held, and trained alone when the winner went (fixed:
-``RoundDriver._rejoined_from_start``). Open (strict xfail): a 1-1-1 tie, whose losers neither re-sync nor catch up;
-the re-sync of a tie lost downloads what a fresh vote backs, not the state the rule chose. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
+``RoundDriver._rejoined_from_start``). Open here, fixed in session 52 (tests/unit/test_tie_kway.py): a 1-1-1 tie,
+whose losers neither re-synced nor caught up; the re-sync of a tie lost downloaded what a fresh vote backed, not the
+state the rule chose. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
 
 from __future__ import annotations
 
