@@ -718,8 +718,8 @@ class PeerNode:
         """The global weights θ ([P] fp32 CPU view of the state buffer)."""
         return self._global_theta()
 
-    async def catch_up(self) -> None:
-        await self.resync.catch_up()
+    async def catch_up(self, target: Optional[tuple[int, str]] = None) -> None:
+        await self.resync.catch_up(target)
 
     async def checkpoint_or_warn(self):
         return await self.checkpoints.checkpoint_or_warn()

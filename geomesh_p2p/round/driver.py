@@ -612,10 +612,10 @@ class RoundDriver:
         """True when the swarm's vote backs a later round than this peer's (:func:`geomesh_p2p.round.resync.behind`)."""
         return await resync.behind(self)
 
-    async def resync(self, why: str) -> None:
-        """Download the swarm's state (:func:`geomesh_p2p.round.resync.resync`); a failure is one warning and
-        a pause, or the end of the run when every other peer announced leaving."""
-        await resync.resync(self, why)
+    async def resync(self, why: str, target: Optional[tuple[int, str]] = None) -> None:
+        """Download the swarm's state (:func:`geomesh_p2p.round.resync.resync`; ``target``: that (round, digest)
+        only); a failure is one warning and a pause, or the end of the run when every other peer announced leaving."""
+        await resync.resync(self, why, target)
 
     async def wait_out(self, ctx: RoundContext) -> None:
         """A planned-out peer waits for the round's end, then re-syncs (:func:`geomesh_p2p.round.planning.wait_out`)."""
@@ -659,8 +659,8 @@ class RoundDriver:
     async def _check_end(self) -> None:
         await resync.check_end(self)
 
-    async def _catch_up(self) -> None:
-        await resync.catch_up(self)
+    async def _catch_up(self, target: Optional[tuple[int, str]] = None) -> None:
+        await resync.catch_up(self, target)
 
     def _log_dropped(self, before: tuple, recs: Sequence[PeerRecord]) -> None:
         """Called through the driver by :func:`geomesh_p2p.round.resync.catch_up` (a test replaces it)."""

@@ -14,7 +14,7 @@ from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.probation import PROBATION_NOSHOW_PENALTY_ROUNDS, PROBATION_SYNC_WAIT_S
 from geomesh_p2p.round.context import Phase
 from geomesh_p2p.round.resync import end_run, leavers_of_round, left_alone, swarm_ended
-from geomesh_p2p.round.tie import TIE_LOSER_WAITS, resumed_tie, tie_lost
+from geomesh_p2p.round.tie import TIE_LOSER_WAITS, Tie, resumed_tie, tie_lost
 
 if TYPE_CHECKING:
     from geomesh_p2p.round.driver import RoundDriver
@@ -189,6 +189,10 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
             until = max([t0 + wait_s] + [ends[p] for p in waited])
             held = now > until and held_for_swarm(drv, ids, first=first, short=short)
             tie = resumed_tie(drv, recs, now) if held else None
+            if tie is not None and not tie.won and not drv.stop.is_set() and await rejoin(drv, everyone, tie):
+                if drv.ended is not None or (drv.state.round, drv.state.digest) != tie.mine:
+                    return None  # re-synced to the tie's winner: the next pass gathers at the state held now
+                # the winner did not serve it (a failed download said why): the loser's bounded wait goes on
             if tie is not None and not tie.won and now - tie.since >= TIE_LOSER_WAITS * drv.cfg.wait_peers_s:
                 tie_lost(drv, tie, now - tie.since)  # lost the tie, neither re-synced nor caught up: ends (exit 3)
                 return None
@@ -333,15 +337,20 @@ async def planned_with_leavers(drv: RoundDriver, everyone: list[PeerRecord]) -> 
     return leavers
 
 
-async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:
+async def rejoin(drv: RoundDriver, everyone: list[PeerRecord], tie: Optional[Tie] = None) -> bool:
     """A start-up gather short of ``min_peers``: when the live others' vote backs a state at this peer's round or
     an earlier one that more of them hold than hold this peer's (``policy.rejoin_state``: the rule a healed
     partition follows, docs/round.md "Peers resumed at different rounds"), re-sync to it now (one INFO line, then
     the catch-up's own WARNING says what is discarded) instead of waiting the whole ``wait_peers_s`` and forking
     (a fresh-user trial, session 37: a whole swarm stopped at once resumed at rounds 46, 46 and 47; each side
     waited 60 s for the other). True when it re-synced or tried to; each state is tried once per session, and
-    :data:`MAX_REJOINS` states at most."""
-    target = drv.policy.rejoin_state(everyone)
+    :data:`MAX_REJOINS` states at most. The download is of that state and no other (``RoundDriver.resync``'s
+    target: a vote read again may back another, red team 51b).
+
+    ``tie``: a :class:`~geomesh_p2p.round.tie.Tie` this peer lost: the state is its winner, which every peer of the
+    tie computes alike, whatever the policy's vote backs (red team 51b: the losers of a 1-1-1 tie, whose vote
+    backed no state, never re-synced and ended exit 3 while the winner trained on alone)."""
+    target = drv.policy.rejoin_state(everyone) if tie is None else tie.winner
     if target is None or target in drv._rejoin_tried or len(drv._rejoin_tried) >= MAX_REJOINS:
         return False
     drv._rejoin_tried.add(target)
@@ -350,11 +359,13 @@ async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:
         log,
         logging.INFO,
         "rejoin_resync",
-        "round %d: the live peers' vote backs the state of round %d (digest %s), held by more of them than hold "
-        "this peer's (digest %s): re-syncing to it now instead of waiting for --min-peers",
+        "round %d: %s the state of round %d (digest %s)%s (digest %s): re-syncing to it now instead of waiting for "
+        "--min-peers",
         drv.state.round,
+        "the live peers' vote backs" if tie is None else "the tie with the peers it trained with goes to",
         target[0],
         target[1][:8],
+        ", held by more of them than hold this peer's" if tie is None else ", not to this peer's",
         (drv.state.digest or "")[:8],
         peer=drv.me,
         round=target[0],
@@ -365,7 +376,7 @@ async def rejoin(drv: RoundDriver, everyone: list[PeerRecord]) -> bool:
     # the rounds this peer held past that state were never confirmed by the live swarm: penalties and standing
     # credits noted in them go with them (resync.forget_blame)
     drv._confirmed_round = min(confirmed, target[0])
-    await drv.resync(f"the live swarm holds the state of round {target[0]}")
+    await drv.resync(f"the live swarm holds the state of round {target[0]}", target)
     if (drv.state.round, drv.state.digest) == before:
         drv._confirmed_round = confirmed  # kept its state: nothing of it was discarded
     elif before == drv._start and drv._resumed_with:

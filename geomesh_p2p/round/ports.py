@@ -229,8 +229,9 @@ class GlobalStatePort(Protocol):
     def commit(self, round: int) -> str:
         """Load the new global weights into the model, recompute the digest, publish the snapshot; returns it."""
 
-    async def catch_up(self) -> None:
-        """Download the state the swarm backs (raises StateSyncError when no donor delivers)."""
+    async def catch_up(self, target: Optional[tuple[int, str]] = None) -> None:
+        """Download the state the swarm backs, or the state (round, digest) ``target`` and no other (a re-sync to a
+        state the rules chose: a tie lost); raises StateSyncError when no donor delivers it."""
 
     async def checkpoint_or_warn(self) -> Any:
         """Write a checkpoint off the loop; failures are one warning (returns None then)."""

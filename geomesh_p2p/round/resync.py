@@ -312,13 +312,14 @@ async def hold_finished_round(drv: RoundDriver, r: int, participants: Sequence[s
         await drv.resync(f"round {r} ran without this peer")
 
 
-async def resync(drv: RoundDriver, why: str) -> None:
-    """Download the swarm's state; a failure is one warning and a pause (the donors may come back), or,
-    when every other peer announced leaving, the end of the run (:attr:`ended`, one WARNING)."""
+async def resync(drv: RoundDriver, why: str, target: Optional[tuple[int, str]] = None) -> None:
+    """Download the swarm's state (``target``: that (round, digest) and no other, :func:`catch_up`); a failure is
+    one warning and a pause (the donors may come back), or, when every other peer announced leaving, the end of the
+    run (:attr:`ended`, one WARNING)."""
     drv.phase = Phase.RESYNC
     await drop_speculative(drv, "re-sync")  # no eager start after a re-sync: the peer starts from θ
     try:
-        await drv._catch_up()
+        await drv._catch_up(target)
     except StateSyncError as e:
         # Every donor gone for good (all of them announced leaving): retrying would never end.
         ended = swarm_ended(drv, await drv.membership.peers(include_leaving=True))
@@ -329,17 +330,18 @@ async def resync(drv: RoundDriver, why: str) -> None:
         await drv.pause(RESYNC_RETRY_PAUSE_S)
 
 
-async def catch_up(drv: RoundDriver) -> None:
-    """``state.catch_up()``; when the state adopted is not of this peer's lineage (its side of a
-    partition lost the vote), one WARNING line says what is discarded (:func:`log_dropped`). Raises
-    what ``catch_up`` raises (StateSyncError)."""
+async def catch_up(drv: RoundDriver, target: Optional[tuple[int, str]] = None) -> None:
+    """``state.catch_up()`` (``state.catch_up(target)``: the state of that (round, digest) only, a re-sync to a
+    state the rules chose); when the state adopted is not of this peer's lineage (its side of a partition lost the
+    vote), one WARNING line says what is discarded (:func:`log_dropped`). Raises what ``catch_up`` raises
+    (StateSyncError)."""
     before = (drv.state.round, drv.state.digest)
     # The sides as announced before the download (a peer that trained with this one: its lineage);
     # read only when there is a lineage to lose (a joiner's catch-up costs no extra DHT read).
     recs = await drv.membership.peers(include_leaving=True) if drv.lineage else []
     kept = len(drv.lineage)
     mine = {e.digest for e in drv.lineage}
-    await drv.state.catch_up()
+    await (drv.state.catch_up() if target is None else drv.state.catch_up(target))
     if drv.lineage and drv.state.digest != before[1]:
         drv._log_dropped(before, recs)
     if len(drv.lineage) < kept:  # rounds of this peer's lineage were discarded

@@ -12,8 +12,9 @@ digest), one INFO line each (``resumed_tie``), and both waits are bounded:
   step (a re-sync announced with its progress is waited for by that progress, as any syncing peer), then trains as
   the timer's fallback says (with those in step): the others then see a later state and catch up to it;
 * the side whose state loses trains nothing of its own: its start-up gather re-syncs to the winner when the policy's
-  vote backs it (``StateSync.rejoin_state`` breaks the same tie alike), or it catches up once the winner trains on;
-  when neither happened within :data:`TIE_LOSER_WAITS` x ``--wait-peers-s`` it ends the run (cause ``"tie_lost"``,
+  vote backs it (``StateSync.rejoin_state`` breaks the same tie alike), else at its first sight of the tie to the
+  winner itself (``gather.rejoin(drv, everyone, tie)``: a k-way tie, whose vote backs no state, too), downloading
+  that state and no other; or it catches up once the winner trains on; when neither happened within :data:`TIE_LOSER_WAITS` x ``--wait-peers-s`` it ends the run (cause ``"tie_lost"``,
   exit 3) saying whose state won and how to go on. Functions of the :class:`~geomesh_p2p.round.driver.RoundDriver`."""
 
 from __future__ import annotations

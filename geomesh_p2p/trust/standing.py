@@ -207,10 +207,13 @@ class StateChoice:
     donors: list[str]
     backing: float  # weight of the records backing it
     total: float  # weight of every record that voted
-    mode: str  # "standing", "fresh" or "solo"
+    mode: str  # "standing", "fresh", "solo" or "tie" (StateSync.rejoin_state's break of a vote with no majority)
 
     def describe(self) -> str:
         """How the vote chose it, in the words of the refusal (:meth:`Refusal.message`)."""
+        if self.mode == "tie":
+            counted = f"; {self.backing:g} of the {self.total:g} peers counted hold it" if self.total else ""
+            return f"the tie rule's state (the most holders, then the later round, then the larger digest{counted})"
         if self.mode == "standing":
             return (
                 f"standing vote: its backers hold {self.backing:g} of the {self.total:g} rounds of standing "
@@ -249,9 +252,13 @@ class Refusal:
 
 @dataclass
 class Vote:
+    """A state vote's outcome: ``choice`` (None: no state has a majority), the ``refusal`` to say, the voters'
+    ``weights`` (peer -> standing, or history in a fresh vote) and whether it was the ``standing`` vote."""
+
     choice: Optional[StateChoice]
     refusal: Optional[Refusal] = None
     weights: dict = field(default_factory=dict)
+    standing: bool = False
 
 
 def history(records: Sequence, peer_id: str) -> int:
@@ -291,7 +298,7 @@ def _standing_vote(others: list, standing: Standing) -> Vote:
     (rnd, dig), n = max(count.items(), key=lambda kv: (kv[1], kv[0][0], kv[0][1]))
     if 2 * n > len(others) and (choice is None or (choice.round, choice.digest) != (rnd, dig)):
         refusal = Refusal(rnd, dig, n, backing[(rnd, dig)], total)
-    return Vote(choice, refusal, weights)
+    return Vote(choice, refusal, weights, standing=True)
 
 
 def _fresh_vote(others: list, *, solo: bool = False) -> Vote:

@@ -241,7 +241,7 @@ class _SatOutDriver:
         await asyncio.sleep(0)
         return False
 
-    async def resync(self, why):
+    async def resync(self, why, target=None):
         self.calls.append(why)
         # no donor: back at the round of the state it holds (the catch-up's failure), else the swarm's next one
         adopted = len(self.calls) == self.adopt_on

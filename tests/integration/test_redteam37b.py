@@ -72,7 +72,7 @@ async def test_a_standing_majority_cycling_digests_restarts_the_rejoin_twice_at_
     resyncs: list[str] = []
     digests = iter(f"evil{k}" for k in range(10))
 
-    async def resync(why: str) -> None:
+    async def resync(why: str, target=None) -> None:
         resyncs.append(why)  # the download fails (or is refused): the peer keeps its state
 
     drv = SimpleNamespace(

@@ -409,7 +409,7 @@ class _HoldDriver:
         self.reads.append(include_leaving)
         return self.recs
 
-    async def resync(self, why):
+    async def resync(self, why, target=None):
         self.calls.append(why)
         if self.adopt_at is not None and len(self.calls) == self.adopt_at[0]:
             self.state.round = self.adopt_at[1]

@@ -11,8 +11,9 @@ smaller digest or an earlier round it made it train alone after ``--wait-peers-s
 the partners); a winner that left mid-wait and came back found the loser's wait already spent (it ended at once);
 a partner flipping its digest every read was said in one INFO line per read.
 A loser that re-synced to the winner was no longer held, and trained alone when the winner went (fixed:
-``RoundDriver._rejoined_from_start``). Open (strict xfail): a 1-1-1 tie, whose losers neither re-sync nor catch up;
-the re-sync of a tie lost downloads what a fresh vote backs, not the state the rule chose. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
+``RoundDriver._rejoined_from_start``). Open here, fixed in session 52 (tests/unit/test_tie_kway.py): a 1-1-1 tie,
+whose losers neither re-synced nor caught up; the re-sync of a tie lost downloaded what a fresh vote backed, not the
+state the rule chose. Fakes of tests/unit/test_round_driver.py (virtual clock)."""
 
 from __future__ import annotations
 
@@ -139,12 +140,6 @@ async def test_a_winner_that_left_mid_wait_and_came_back_gives_the_loser_a_new_w
     assert drv.ended is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a 1-1-1 tie at one round (three checkpoints, three digests): the two losers' standing vote backs "
-    "no state (no majority), so neither re-syncs to the winner nor, once it trains, catches up to its later round "
-    "(no majority either); both end exit 3 (tie_lost) and the winner trains on alone",
-)
 async def test_a_three_way_tie_ends_on_one_lineage(monkeypatch):
     a, b, c = ids = [_pid() for _ in range(3)]
     digest = {a: "a" * 16, b: "b" * 16, c: "c" * 16}
@@ -204,13 +199,6 @@ async def test_a_partner_flipping_its_digest_is_said_a_bounded_number_of_times()
     assert got != "held" and len(said) <= 2, (got, len(said))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (low: a rogue with standing pulls the same peer by a later round already): the re-sync of a tie "
-    "lost (gather.rejoin -> RoundDriver.resync -> StateSync.catch_up) downloads what a fresh vote backs, not the "
-    "state rejoin_state chose; a rogue that announces a larger digest, then a smaller one, moves the peer onto a "
-    "state that loses the tie to its own",
-)
 async def test_the_re_sync_of_a_tie_lost_downloads_the_state_the_rule_chose(monkeypatch):
     me, rogue = _pid(), _pid()
     records = [_rec(rogue, round=46, digest="f" * 16, port=7001, attests={me: 32})]

@@ -15,6 +15,7 @@ import pytest
 
 from geomesh_p2p.plan.agree import state_tie_winner
 from geomesh_p2p.round.tie import TIE_LOSER_WAITS, resumed_tie
+from geomesh_p2p.sync.download import StateSyncError
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.standing import Standing
 from tests.unit.test_never_back import _node, _pid, _rec
@@ -33,6 +34,16 @@ class TieBreaking(FakePeer):
             return None
         theirs = (others[0].round, others[0].weights_digest)
         return theirs if state_tie_winner({theirs: 1, (self.round, self.digest): 1}) == theirs else None
+
+
+class Unserved(FakePeer):
+    """A fake whose re-sync to a chosen state (``catch_up(target)``: a tie lost) finds nobody serving it."""
+
+    async def catch_up(self, target=None):
+        if target is None:
+            return await super().catch_up()
+        self.catch_ups += 1
+        raise StateSyncError(f"no donor serves the state of round {target[0]}")
 
 
 @contextlib.contextmanager
@@ -126,7 +137,9 @@ async def test_the_winner_waits_a_bounded_time_for_a_loser_that_does_not_move_th
 
 
 async def test_the_loser_that_neither_re_syncs_nor_catches_up_ends_not_synced():
-    winner, loser = _tied()
+    """The loser's re-sync to the winner's state (tried once, at the first sight of the tie) fails: nobody serves
+    it; the winner does not train on either. The loser ends exit 3 after its bounded wait."""
+    winner, loser = _tied(Unserved)
     drv = _held(loser, winner)
     with _capture("resumed_tie", "waiting_for_resumed", "swarm_ended") as seen:
         assert await asyncio.wait_for(drv.gather(set(), first=True), 10) is None
@@ -135,10 +148,11 @@ async def test_the_loser_that_neither_re_syncs_nor_catches_up_ends_not_synced():
     assert (drv.ended.cause, drv.ended.synced, drv.ended.round) == ("tie_lost", False, 86)
     assert "restart it with --resume" in drv.ended.why and (loser.round, loser.digest) != (86, winner.digest)
     assert drv.clock.monotonic() - 1000.0 >= TIE_LOSER_WAITS * 3.0
+    assert loser.catch_ups == 1  # the re-sync to the winner's state was tried, once
 
 
 async def test_the_loser_catches_up_once_the_winner_trains_on():
-    winner, loser = _tied()
+    winner, loser = _tied(Unserved)  # its re-sync to the winner's round-86 state fails
     drv = _held(loser, winner)
 
     def trained_on(t):  # the winner trained round 86 after its bounded wait: its record shows round 87

@@ -160,9 +160,11 @@ class FakePeer:
         self.round, self.model, self.digest = round, self.theta.clone(), _digest(self.theta)
         return self.digest
 
-    async def catch_up(self):
+    async def catch_up(self, target=None):
         self.catch_ups += 1
         others = [r for r in self.swarm.records.values() if r.peer_id != self.me and r.weights_digest]
+        if target is not None:  # that state only (StateSync.catch_up's target)
+            others = [r for r in others if (r.round, r.weights_digest) == target]
         if not others:
             raise StateSyncError("no donor")
         donor = max(others, key=lambda r: (r.round, r.weights_digest))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
@@ -24,7 +26,7 @@ from geomesh_p2p.sync.progress import SyncMeter
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.logonce import LogOnce
 from geomesh_p2p.trust.dialback import DialBack, no_connection
-from geomesh_p2p.trust.standing import OnceLog, choose_state, would_adopt
+from geomesh_p2p.trust.standing import OnceLog, StateChoice, choose_state, would_adopt
 
 if TYPE_CHECKING:
     from geomesh_p2p.config.models import RunConfig
@@ -145,6 +147,9 @@ class StateSync:
         #: continue from its own checkpoint of that round)
         self.unanswered: Optional[int] = None
         self._silent: Optional[int] = None  # the last vote's: its holders' newest round when none answered a dial
+        #: (the state held, the choice) of the last :meth:`rejoin_state` that chose a state: what :meth:`catch_up`
+        #: downloads next (:meth:`_pinned`)
+        self._chosen: Optional[tuple[tuple[int, str], StateChoice]] = None
 
     def progress(self) -> Optional[SyncProgress]:
         """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
@@ -216,10 +221,11 @@ class StateSync:
             raise RuntimeError("this peer cannot adopt a state (built without its global state)")
         self._set_state_fn(round, theta, momentum)
 
-    async def catch_up(self) -> None:
+    async def catch_up(self, target: Optional[tuple[int, str]] = None) -> None:
         """Bring this peer to the state the swarm's vote backs (late join, planned out, digest mismatch):
         weighted by standing once this peer knows who delivered, else by distinct addresses with history
-        (standing.py).
+        (standing.py). ``target`` (round, digest), or else the state the last :meth:`rejoin_state` chose at the
+        state held: that state and no other, unless the vote backs a later round (:meth:`_pinned`).
 
         Incremental (issue 14 #3): a state of an earlier round -- this peer's own when it is of the swarm's
         lineage (planned out), or one it downloaded while the swarm moved on -- is brought forward by the
@@ -241,6 +247,7 @@ class StateSync:
         caught_from: Optional[int] = None  # the round the incremental catch-up started from
         unreachable = 0  # downloads in a row whose donors were all unreachable
         self.unanswered = None
+        pin = self._pin(target)
         try:
             for attempt in range(STATE_SYNC_ATTEMPTS):
                 if self._stop.is_set():
@@ -257,6 +264,10 @@ class StateSync:
                     recs = await self._dialled(recs)
                     vote = self.state_vote(recs)
                 choice = vote.choice
+                if pin is not None:
+                    pin, choice = self._pinned(pin, recs, choice)
+                    if choice is None:
+                        break  # the state chosen is served by nobody now: refused (no other state instead)
                 if choice is None:
                     # No state has a majority: mostly a moment mid-round, when the others announce round r+1 one
                     # by one. Read again a few times; returning at once left a planned-out peer announcing a
@@ -417,6 +428,8 @@ class StateSync:
                         last_attempt=attempt == STATE_SYNC_ATTEMPTS - 1,
                     )
                 except state_sync.StateSyncError as e:
+                    if pin is not None:  # its donors then: only those that announce it now (a swap refused)
+                        pin = replace(pin, donors=[])
                     held = held_round if held_digest else start_round
                     silent = isinstance(e, state_sync.DonorsUnreachable) and self._only_donors(recs, donors)
                     if isinstance(e, state_sync.DonorsUnreachable) and self._left_for_good(recs, donors, top, held):
@@ -467,6 +480,29 @@ class StateSync:
             self._note_rate()
             self.syncing, self.meter = False, None
             await self._announce()
+
+    def _pin(self, target: Optional[tuple[int, str]]) -> Optional[StateChoice]:
+        """The state a catch-up downloads whatever the vote: ``target``, or :attr:`_chosen` (taken) when chosen at the
+        state held now, with the donors it was chosen from; None: the vote's. Red team 51b: a re-sync of a tie lost
+        downloaded what a fresh vote backed (a rogue's larger, then smaller digest: a state losing to its own)."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen[0] == (self.state.round, self.state.digest):
+            if target is None or target == (chosen[1].round, chosen[1].digest):
+                return chosen[1]
+        return None if target is None else StateChoice(target[0], target[1], [], 0, 0, "tie")
+
+    def _pinned(self, pin: StateChoice, recs: list, choice: Optional[StateChoice]):
+        """(pin, choice) of a pass of a pinned catch-up: no pin and the vote's ``choice`` when it backs a later round
+        (the swarm moved on); else ``pin`` with the donors announcing it in ``recs`` too, None when none (refused)."""
+        if choice is not None and choice.round > pin.round:
+            return None, choice
+        now = [r.address for r in recs if (r.round, r.weights_digest) == (pin.round, pin.digest) and r.address]
+        donors = list(dict.fromkeys(pin.donors + now))
+        if not donors:
+            log.info(
+                "the state chosen to re-sync to (round %d, digest %s) is served by nobody", pin.round, pin.digest[:8]
+            )
+        return pin, replace(pin, donors=donors) if donors else None
 
     @staticmethod
     def _only_donors(recs: list, donors) -> bool:
@@ -677,7 +713,8 @@ class StateSync:
 
     def rejoin_state(self, recs) -> Optional[tuple[int, str]]:
         """The (round, digest) this peer should re-sync to now, before training a round, though the swarm is at
-        no later round: None when there is none (docs/round.md, "Peers resumed at different rounds").
+        no later round: None when there is none (docs/round.md, "Peers resumed at different rounds"). The next
+        :meth:`catch_up` downloads exactly this state (:meth:`_pinned`).
 
         ``recs``: the run's records (this peer's own and leaving ones are skipped: the question is which state
         the live swarm trains on). The state is :meth:`state_vote`'s choice over the live others' records
@@ -693,31 +730,48 @@ class StateSync:
         * for an earlier round, :meth:`_why_not_back` finds no reason to wait (no live peer at this peer's
           round or later, none of its backers would adopt this peer's state by its own vote).
 
+        When the standing vote backs no state (a k-way tie, e.g. three peers resumed on three digests of one
+        round), it is :func:`~geomesh_p2p.plan.agree.state_tie_winner`'s over the live peers with standing here,
+        this peer counted, when not this peer's (a later round too: :meth:`behind` backs none then; an earlier one
+        as above). Red team 51b: the losers of a 1-1-1 tie ended exit 3 while the winner trained on alone.
+
         Why: a whole swarm stopped at once resumed from checkpoints of different rounds (the peer that did not
         see the others leave trained one more round alone); each side waited the whole ``--min-peers`` wait
         for the other, then they forked (a fresh-user trial, session 37)."""
         held_round, held_digest = self.state.round, self.state.digest
+        self._chosen = None
         if not held_digest or self.syncing:
             return None
         live = self.voters([r for r in recs if not r.leaving and r.peer_id != self.state.me and r.weights_digest])
         vote = self.state_vote(live)
-        choice = vote.choice
-        if choice is None or choice.mode != "standing" or choice.round > held_round or choice.digest == held_digest:
-            return None
+        choice, mine = vote.choice, (held_round, held_digest)
         # identities with standing here only: one standing attacker and a fresh identity of its own announcing
         # the same state outnumbered this peer and moved it to a state only the attacker serves (red team 37b)
         voting = [r for r in live if vote.weights.get(r.peer_id, 0) > 0]
-        backers = sum(1 for r in voting if (r.round, r.weights_digest) == (choice.round, choice.digest))
-        mine = 1 + sum(1 for r in voting if (r.round, r.weights_digest) == (held_round, held_digest))
-        # as many on each side: at the same round the tie goes to the larger digest, the break every peer computes
-        # alike (plan.agree.state_tie_winner), so exactly one side moves (red team 50b: two peers resumed on a 1-1
-        # tie each waited for the other for ever); at an earlier round this peer's later state wins (nobody moves)
-        ours = {(choice.round, choice.digest): backers, (held_round, held_digest): mine}
-        if backers < mine or state_tie_winner(ours) != (choice.round, choice.digest):
+        holders: Counter[tuple[int, str]] = Counter((r.round, str(r.weights_digest)) for r in voting)
+        holders[mine] += 1
+        if choice is not None:
+            if choice.mode != "standing" or choice.round > held_round or choice.digest == held_digest:
+                return None
+            # as many on each side: at the same round the tie goes to the larger digest, the break every peer
+            # computes alike (plan.agree.state_tie_winner), so exactly one side moves (red team 50b: two peers
+            # resumed on a 1-1 tie each waited for the other for ever); at an earlier round this peer's state wins
+            target = (choice.round, choice.digest)
+            ours = {target: holders[target], mine: holders[mine]}
+            if ours[target] < ours[mine] or state_tie_winner(ours) != target:
+                return None
+        elif vote.standing and len(holders) > 1:
+            target = state_tie_winner(holders)  # no majority: the rule every peer with these records computes alike
+            if target == mine:
+                return None
+            choice = StateChoice(*target, [], holders[target], sum(holders.values()), "tie")
+        else:
             return None
-        if choice.round < held_round and self._why_not_back(choice, live, held_round, held_digest) is not None:
+        if target[0] < held_round and self._why_not_back(choice, live, held_round, held_digest) is not None:
             return None
-        return choice.round, choice.digest
+        donors = [r.address for r in voting if (r.round, r.weights_digest) == target and r.address]
+        self._chosen = (mine, replace(choice, donors=donors))
+        return target
 
     def state_vote(self, recs):
         """:func:`~geomesh_p2p.trust.standing.choose_state` for this peer; logs once a state that most identities
