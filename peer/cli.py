@@ -28,6 +28,7 @@ from geomesh_p2p.config.flags import (
 from geomesh_p2p.config.models import DEFAULT_IDENTITY
 from geomesh_p2p.util.exit_gc import arm_startup_freeze, skip_exit_collections
 from geomesh_p2p.util.fds import raise_fd_limit
+from geomesh_p2p.util.grpc_env import quiet_grpc_core
 from geomesh_p2p.util.malloc import limit_malloc_arenas
 
 
@@ -151,8 +152,11 @@ def with_config_file(
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's C core lines are silenced when the package is imported (geomesh_p2p.util.grpc_env): setting
-    # GRPC_VERBOSITY here would be too late, grpc is loaded by then.
+    if argv is None:  # this process's own command line: gRPC's C core quiet unless --log-level DEBUG
+        # first: the C core reads GRPC_VERBOSITY once, when grpc is first imported, and this module's imports and
+        # the parser's (node_cli, tools_cli) load no grpc (tests/unit/test_start_messages.py); done here, not at the
+        # package's import, so that importing the package reads nothing of the process (the test zygote preloads it)
+        quiet_grpc_core()
     # The interpreter's exit would otherwise spend seconds to minutes (on a loaded machine) in full collections
     # over torch's and transformers' objects after the node has shut down (geomesh_p2p/util/exit_gc.py).
     skip_exit_collections()

@@ -8,9 +8,10 @@ exactly as ``python -m`` would (``runpy._run_module_as_main``: ``__name__ == "__
 ``sys.path[0]`` the working directory), with its own stdout/stderr log, environment, working directory and
 signal dispositions. The library's modules a peer's start imports (:data:`PRELOAD_PROJECT`, none of which starts a
 thread, opens a gRPC channel or reads anything per process but one clock, re-read in the child) are imported once
-before the fork too (~0.4 CPU-s a child less), from the files a cold child would import (else the child drops them);
-the ``peer`` and ``bootstrap`` packages are not (their import reads the process's argv): each child imports
-those itself, as a fresh interpreter does. One more difference: the zygote's imports are already frozen (``gc.freeze``), as a peer's or bootstrap's own start-up freeze
+before the fork too (~0.4 CPU-s a child less), from the files a cold child would import (else the child drops them),
+and so are the ``peer`` CLI's modules but ``peer.cli`` (:data:`PRELOAD_CLI`; ``peer.cli`` runs as ``__main__``, whose
+``main`` reads the process's argv). The ``bootstrap`` package is not (its import reads the process's argv): each
+child imports it itself, as a fresh interpreter does. One more difference: the zygote's imports are already frozen (``gc.freeze``), as a peer's or bootstrap's own start-up freeze
 (``geomesh_p2p.util.exit_gc.freeze_startup_heap``) would leave them; ``ZygoteChild.frozen_at_fork`` says how many.
 
 What a child is not: a child of the test process. :class:`ZygoteChild` stands in for ``subprocess.Popen`` (``pid``,
@@ -75,9 +76,9 @@ PRELOAD = (
     "wsgiref.simple_server",
 )
 #: the library's modules a peer's or bootstrap's start imports (these pull in the ~200 of them, ~0.4 CPU-s a child):
-#: after the third-party ones, each in the zygote once. Not the ``peer`` and ``bootstrap`` packages: importing them
-#: sets ``GRPC_VERBOSITY`` from the process's own argv (geomesh_p2p.util.grpc_env.quiet_grpc_core), which the child
-#: does itself. Checked (tests/e2e/test_zygote.py): importing these starts no thread (neither Python's nor the
+#: after the third-party ones, each in the zygote once. Not the ``bootstrap`` package: importing it sets
+#: ``GRPC_VERBOSITY`` from the process's own argv (geomesh_p2p.util.grpc_env.quiet_grpc_core), which the child does
+#: itself (``peer``'s CLI does that in ``peer.cli.main``, run by the child: :data:`PRELOAD_CLI`). Checked (tests/e2e/test_zygote.py): importing these starts no thread (neither Python's nor the
 #: OS's), creates no gRPC channel or server, reads no environment variable a child could see changed (a child's
 #: environment is the zygote's), and reads one clock (net.swarm_time's step watch, marked again in each child).
 PRELOAD_PROJECT = (
@@ -96,9 +97,15 @@ PRELOAD_PROJECT = (
     "geomesh_p2p.node.peer",
     "geomesh_p2p.node.ranks",
 )
+#: the ``geomesh-peer`` CLI's modules a ``python -m peer.cli`` child imports (~0.02 CPU-s a child): not ``peer.cli``
+#: itself, which the child runs as ``__main__`` (runpy warns when the module is already imported). Importing them reads
+#: nothing of the process (the package's import runs nothing; ``peer.cli.main`` quiets gRPC: the child's own argv).
+PRELOAD_CLI = ("peer.node_cli", "peer.tools_cli", "peer.demo")
 #: the top-level package of :data:`PRELOAD_PROJECT`: a child whose ``sys.path`` finds it elsewhere (another
 #: checkout first on its path) drops the preloaded modules and imports its own, as a cold interpreter would
 PROJECT_PACKAGE = "geomesh_p2p"
+#: the top-level package of :data:`PRELOAD_CLI` (built on :data:`PROJECT_PACKAGE`'s modules: dropped with them)
+CLI_PACKAGE = "peer"
 ENABLED = os.environ.get("GEOMESH_TEST_ZYGOTE", "1") != "0"
 START_TIMEOUT_S = 180.0  # the zygote's imports on a loaded 2-core machine (a cold peer's take up to ~70 s at load 15)
 
@@ -138,19 +145,28 @@ def _child(req: dict, fds: Sequence[int], keep: Sequence[int]) -> None:
 
 
 def _same_project_files() -> None:
-    """In a forked child (``sys.path`` as the child's): keep the preloaded :data:`PROJECT_PACKAGE` modules only if a
-    cold interpreter would import the same files (its package found at the same place on the child's path);
-    else drop them all (the child imports its own). Then restart what the preload read of the clock (the step
-    watch of geomesh_p2p.net.swarm_time counts wall-clock steps from its import: a cold child's from its start)."""
+    """In a forked child (``sys.path`` as the child's): keep the preloaded :data:`PROJECT_PACKAGE` and
+    :data:`CLI_PACKAGE` modules only if a cold interpreter would import the same files (each package found at the
+    same place on the child's path); else drop that package's (the CLI's too when the library's go: they hold the
+    zygote's library modules), and the child imports its own. Then restart what the preload read of the clock (the
+    step watch of geomesh_p2p.net.swarm_time counts wall-clock steps from its import: a cold child's from its start)."""
     import importlib.machinery
 
-    pkg = sys.modules.get(PROJECT_PACKAGE)
-    if pkg is None:
-        return
-    spec = importlib.machinery.PathFinder.find_spec(PROJECT_PACKAGE, sys.path)
-    if spec is None or spec.origin != pkg.__file__:
-        for name in [m for m in sys.modules if m == PROJECT_PACKAGE or m.startswith(PROJECT_PACKAGE + ".")]:
+    def drop(package: str) -> None:
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
             del sys.modules[name]
+
+    def elsewhere(package: str) -> bool:
+        spec = importlib.machinery.PathFinder.find_spec(package, sys.path)
+        return spec is None or spec.origin != sys.modules[package].__file__
+
+    if CLI_PACKAGE in sys.modules and elsewhere(CLI_PACKAGE):
+        drop(CLI_PACKAGE)
+    if PROJECT_PACKAGE not in sys.modules:
+        return
+    if elsewhere(PROJECT_PACKAGE):
+        drop(PROJECT_PACKAGE)
+        drop(CLI_PACKAGE)
         return
     swarm_time = sys.modules.get("geomesh_p2p.net.swarm_time")
     if swarm_time is not None:
@@ -206,7 +222,7 @@ def serve() -> Optional[dict]:
         except ImportError:
             pass  # an optional package: the child imports what it needs itself
     native = os_threads()  # the third-party imports' own pools (OpenBLAS's: ~2 idle workers, fork-safe)
-    for name in PRELOAD_PROJECT:
+    for name in PRELOAD_PROJECT + PRELOAD_CLI:
         __import__(name)  # the project's own: a failure is the zygote's (the caller starts every process cold)
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if not threads and os_threads() != native:  # e.g. a gRPC channel's poller: not forked with
@@ -388,7 +404,8 @@ class Zygote:
         self.threads: list = hello["threads"]
         self.usable = not self.threads  # else every process starts cold (spawn returns None)
         self.frozen: int = hello.get("frozen", 0)
-        #: the project's modules imported in the zygote before any fork (:data:`PRELOAD_PROJECT` and theirs)
+        #: the project's modules imported in the zygote before any fork (:data:`PRELOAD_PROJECT`, :data:`PRELOAD_CLI`
+        #: and theirs)
         self.project: list = hello.get("project", [])
         if not line:
             self.stop()

@@ -54,7 +54,7 @@ def test_three_peers_train_then_resume_with_identical_weights(swarm, tmp_path):
     # each peer, a `geomesh-peer join` process of its own, froze its start-up heap once built (issue 27: the run's
     # full collections skip the imports' and the model's ~350,000 objects). A peer forked from the test zygote
     # starts with the zygote's ~417,000 imported objects frozen (tests/zygote.py, the library's modules included): its
-    # own freeze adds what it built after the fork (the CLI package, the model: ~3,700), and without it the count
+    # own freeze adds what it built after the fork (peer.cli, the model: ~3,500), and without it the count
     # stays the zygote's exactly.
     frozen = [json.loads((tmp_path / f"{n}.summary.json").read_text())["gc"]["frozen"] for n in names]
     at_fork = [getattr(swarm.procs[n], "frozen_at_fork", 0) for n in names]

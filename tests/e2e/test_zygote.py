@@ -1,7 +1,8 @@
 """The test zygote (tests/zygote.py) starts a process as ``python -m`` would: a forked child of the pre-imported
 interpreter sees the same ``__name__``, argv, ``sys.path[0]``, working directory, environment, signal dispositions
 and empty stdin as a cold interpreter started by ``subprocess.Popen``, runs the project's code from the same
-files (the zygote's preloaded library modules, no CLI package), and ends with the same exit status (a code, an uncaught Ctrl+C, a SIGKILL)."""
+files (the zygote's preloaded library modules and ``peer`` CLI modules, but not ``peer.cli``, which runs as the
+program, nor the ``bootstrap`` package), and ends with the same exit status (a code, an uncaught Ctrl+C, a SIGKILL)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _seen(tmp_path: Path, name: str) -> dict:
 
 def _same_but_preload(forked: dict, cold: dict) -> None:
     """``forked`` saw what ``cold`` saw, but for the modules preloaded by the zygote: the project's code from the
-    same files, none of the ``peer``/``bootstrap`` packages (whose import reads argv) imported before its start,
+    same files, neither ``peer.cli`` (the program a child runs) nor the ``bootstrap`` package (whose import reads
+    argv) imported before its start,
     and nothing of the project a cold start had not imported beyond what the zygote preloaded."""
     assert {k: v for k, v in forked.items() if k != "project_imported"} == {
         k: v for k, v in cold.items() if k != "project_imported"
@@ -62,7 +64,7 @@ def _same_but_preload(forked: dict, cold: dict) -> None:
     assert cold["project_imported"] == []
     preloaded = zygote._zygote.project if zygote._zygote is not None else []
     assert forked["project_imported"] == preloaded
-    assert not [m for m in preloaded if m.split(".")[0] in ("peer", "bootstrap")]
+    assert "peer.cli" not in preloaded and not [m for m in preloaded if m.split(".")[0] == "bootstrap"]
 
 
 @pytest.mark.skipif(not zygote.ENABLED, reason="GEOMESH_TEST_ZYGOTE=0")
@@ -103,14 +105,16 @@ def test_a_piped_child_streams_its_stdout_and_stderr(tmp_path):
 @pytest.mark.skipif(not zygote.ENABLED, reason="GEOMESH_TEST_ZYGOTE=0")
 def test_the_zygote_preloads_the_library_without_threads_and_a_child_elsewhere_imports_its_own(tmp_path):
     """The zygote's project preload leaves it with one thread, the OS's count (no gRPC poller, no pool), and
-    imports the library's modules but neither CLI package. A child whose working directory holds another
+    imports the library's modules and the ``peer`` CLI's (tests/zygote.py's PRELOAD_CLI), but not ``peer.cli`` (run
+    as the program) nor the ``bootstrap`` package (whose import reads argv). A child whose working directory holds another
     ``geomesh_p2p`` (first on its ``sys.path``) runs that one's code, as a cold interpreter does there."""
     child = _forked(["exit", "0"], tmp_path, "forked.log")
     assert child.wait(120) == 0
     z = zygote._zygote
     assert z is not None and z.threads == [] and z.usable
     assert "geomesh_p2p.node.peer" in z.project and "geomesh_p2p.config.flags" in z.project
-    assert not [m for m in z.project if m.split(".")[0] in ("peer", "bootstrap")]
+    assert {"peer", *zygote.PRELOAD_CLI, "peer.path_checks"} <= set(z.project)
+    assert "peer.cli" not in z.project and not [m for m in z.project if m.split(".")[0] == "bootstrap"]
 
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "geomesh_p2p" / "config").mkdir(parents=True)

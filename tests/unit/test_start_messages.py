@@ -35,18 +35,46 @@ def test_quiet_grpc_core_sets_verbosity_unless_debug_or_the_users(monkeypatch, a
     assert os.environ.get("GRPC_VERBOSITY") == expect
 
 
-@pytest.mark.parametrize("package", ["peer", "bootstrap"])
-def test_each_package_quiets_grpc_before_anything_else(package):
-    """The first statements of peer/__init__ and bootstrap/__init__ call quiet_grpc_core, before their CLI
-    modules import grpc (the C core reads GRPC_VERBOSITY once, when grpc is first imported)."""
+def test_the_bootstrap_package_quiets_grpc_before_anything_else():
+    """The first statements of bootstrap/__init__ call quiet_grpc_core, before its CLI module imports grpc (the C
+    core reads GRPC_VERBOSITY once, when grpc is first imported)."""
     import ast
     import importlib
     from pathlib import Path
 
-    tree = ast.parse(Path(importlib.import_module(package).__file__).read_text())
+    tree = ast.parse(Path(importlib.import_module("bootstrap").__file__).read_text())
     body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
     assert ast.unparse(body[0]) == "from geomesh_p2p.util.grpc_env import quiet_grpc_core"
     assert ast.unparse(body[1]) == "quiet_grpc_core()"
+
+
+def test_geomesh_peer_quiets_grpc_first_in_main_and_nothing_before_loads_grpc():
+    """``geomesh-peer`` (and ``python -m peer.cli``) calls quiet_grpc_core as the first statement of
+    peer.cli.main run as the program (argv None; main([...]) in a test leaves the environment alone), and neither
+    importing peer.cli nor building its parser (node_cli, tools_cli) loads grpc before it: a fresh interpreter
+    shows it. The ``peer`` package itself runs nothing at import (the test zygote preloads its modules)."""
+    import ast
+    import inspect
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import peer
+    from peer import cli
+
+    tree = ast.parse(Path(peer.__file__).read_text())
+    assert [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))] == []
+    [fn] = ast.parse(inspect.getsource(cli.main)).body
+    first = fn.body[0]
+    assert isinstance(first, ast.If) and ast.unparse(first.test) == "argv is None"
+    assert [ast.unparse(n) for n in first.body] == ["quiet_grpc_core()"]
+    probe = (
+        "import sys, peer.cli as c; c.build_parser(); print(sorted(m for m in ('grpc', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=100, cwd=Path(peer.__file__).parents[1]
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr
 
 
 @pytest.mark.parametrize("module", ["tests.adversary", "geomesh_p2p.dht.__main__"])
