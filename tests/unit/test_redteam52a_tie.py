@@ -19,10 +19,12 @@ Objects of tests/unit/test_never_back.py (a StateSync with faked downloads) and 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from geomesh_p2p.round.tie import resumed_tie
 from geomesh_p2p.sync import download as dl
 from geomesh_p2p.trust.standing import Standing
 from tests.unit.test_never_back import _node, _pid, _rec
@@ -156,3 +158,39 @@ async def test_the_start_up_gather_asks_a_peer_on_its_checkpoint_state_with_its_
     assert drv2._resumed_with == ()
     await asyncio.wait_for(drv2.gather(set(), first=True), 10)
     assert other.among and set(other.among) == {None}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the start-up rule (StateSync.rejoin_state: a standing majority of ALL live peers with standing, "
+    "asked first) and the driver's tie (round/tie.py: the checkpoint's partners only) are two rules; with honest "
+    "non-partners X, Y on c and partner B on e, A re-syncs to c (try 1), then its tie with B says e (try 2: "
+    "MAX_REJOINS spent) while B re-syncs to c: a swap, A alone on e, no rejoin left",
+)
+async def test_the_start_up_rule_and_the_drivers_tie_agree_on_one_state(monkeypatch):
+    """Honest events: A (46, a) resumed with partner B (46, e); X and Y, peers with standing here not of the
+    checkpoint, live on (46, c). A's start-up rule: c (2 of 3 by standing, more holders than a); A's tie with its
+    partner: e (1-1, the larger digest); B's start-up rule: c. Wanted: one state for A from both rules."""
+    a, b, x, y = _pid(), _pid(), _pid(), _pid()
+    ledger = _ledger((a, b, x, y))
+    view = [
+        _rec(b, round=46, digest="e" * 16, port=7001, attests={a: 32}),
+        _rec(x, round=46, digest="c" * 16, port=7002, attests={a: 32}),
+        _rec(y, round=46, digest="c" * 16, port=7003, attests={a: 32}),
+    ]
+    node, _ = _node(a, ledger, view, monkeypatch, round=46, digest="a" * 16)
+    chosen = node.rejoin_state(view, among=(b,))
+    view_b = [_rec(a, round=46, digest="a" * 16, port=7000, attests={b: 32}), *view[1:]]
+    node_b, _ = _node(b, ledger, view_b, monkeypatch, round=46, digest="e" * 16)
+    assert (chosen, node_b.rejoin_state(view_b, among=(a,))) == ((46, "c" * 16), (46, "c" * 16))
+    drv = SimpleNamespace(
+        me=a,
+        state=SimpleNamespace(round=46, digest="a" * 16),
+        _resumed_with=(b,),
+        _tie_seen=None,
+        _tie_logged=None,
+        _tie_said_at=0.0,
+        cfg=SimpleNamespace(wait_peers_s=3.0),
+    )
+    tie = resumed_tie(drv, view, 1000.0)  # type: ignore[arg-type]
+    assert tie is not None and tie.winner == chosen
