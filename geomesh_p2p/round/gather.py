@@ -350,7 +350,12 @@ async def rejoin(drv: RoundDriver, everyone: list[PeerRecord], tie: Optional[Tie
     ``tie``: a :class:`~geomesh_p2p.round.tie.Tie` this peer lost: the state is its winner, which every peer of the
     tie computes alike, whatever the policy's vote backs (red team 51b: the losers of a 1-1-1 tie, whose vote
     backed no state, never re-synced and ended exit 3 while the winner trained on alone)."""
-    target = drv.policy.rejoin_state(everyone) if tie is None else tie.winner
+    # a resumed peer on its checkpoint's state: only the checkpoint's partners settle a vote with no majority, as they
+    # alone settle the driver's tie (red team 52a: a rogue with standing not of the checkpoint, on a made-up later
+    # round or larger digest, made two partners' 1-1 tie a 1-1-1 tie it won, before round/tie.py was asked)
+    on_start = bool(drv._resumed_with) and (drv.state.round, drv.state.digest) in (drv._start, drv._rejoined_from_start)
+    among = drv._resumed_with if on_start else None
+    target = drv.policy.rejoin_state(everyone, among=among) if tie is None else tie.winner
     if target is None or target in drv._rejoin_tried or len(drv._rejoin_tried) >= MAX_REJOINS:
         return False
     drv._rejoin_tried.add(target)

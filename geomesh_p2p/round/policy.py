@@ -8,7 +8,7 @@ over its state; tests build them directly with fakes (tests/rules_util.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Optional
 
 from geomesh_p2p.round.rules.penalties import OWNER_PENALTY_ROUNDS, Penalties, conclusive
 from geomesh_p2p.round.rules.planning import PlanRules, plan_horizon_s
@@ -258,10 +258,11 @@ class NodeRoundPolicy:
         """The round the swarm's vote backs (:meth:`StateSync.swarm_round`), None when none is backed."""
         return self.sync.swarm_round(records) if self.sync is not None else None
 
-    def rejoin_state(self, records) -> Optional[tuple[int, str]]:
+    def rejoin_state(self, records, among: Optional[Collection[str]] = None) -> Optional[tuple[int, str]]:
         """The state to re-sync to before training though the swarm is at no later round
-        (:meth:`StateSync.rejoin_state`), None when none (or no state sync)."""
-        return self.sync.rejoin_state(records) if self.sync is not None else None
+        (:meth:`StateSync.rejoin_state`; ``among``: the PeerIDs whose states settle a vote with no majority), None
+        when none (or no state sync)."""
+        return self.sync.rejoin_state(records, among) if self.sync is not None else None
 
     def digest_voters(self, records) -> list:
         """``records`` without those of the peers verified work or a proof excludes here (:meth:`VerifiedWork.members`):

@@ -288,10 +288,13 @@ class RoundPolicy(Protocol):
     def swarm_round(self, records: Sequence[PeerRecord]) -> Optional[int]:
         """The round the swarm's vote backs, None when none is backed."""
 
-    def rejoin_state(self, records: Sequence[PeerRecord]) -> Optional[tuple[int, str]]:
+    def rejoin_state(
+        self, records: Sequence[PeerRecord], among: Optional[Collection[str]] = None
+    ) -> Optional[tuple[int, str]]:
         """The (round, digest), at this peer's round or an earlier one, that the live others' vote backs and more
         of them hold than hold this peer's state, when re-syncing to it now is the only way to rejoin them; None
-        when there is none (a start-up gather asks: peers resumed at different rounds)."""
+        when there is none (a start-up gather asks: peers resumed at different rounds). ``among``: the PeerIDs
+        whose states alone settle a vote with no majority (a resumed peer's checkpoint partners)."""
 
     def digest_voters(self, records: Sequence[PeerRecord]) -> list[PeerRecord]:
         """``records`` without those of peers this peer excludes: their digests neither confirm nor outvote its own."""

@@ -80,7 +80,8 @@ async def test_a_standing_majority_cycling_digests_restarts_the_rejoin_twice_at_
         state=SimpleNamespace(round=46, digest="r46"),
         _confirmed_round=46,
         _rejoin_tried=set(),
-        policy=SimpleNamespace(rejoin_state=lambda recs: (46, next(digests))),
+        _resumed_with=(),  # not resumed with partners: the rule counts every peer with standing (red team 52a)
+        policy=SimpleNamespace(rejoin_state=lambda recs, among=None: (46, next(digests))),
         resync=resync,
     )
     tried = [await gather.rejoin(drv, []) for _ in range(6)]  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 class TieBreaking(FakePeer):
     """A fake whose start-up re-sync rule breaks a tie as ``StateSync.rejoin_state`` does (its own is None)."""
 
-    def rejoin_state(self, records):
+    def rejoin_state(self, records, among=None):
         others = [r for r in records if r.peer_id != self.me and not r.leaving and r.weights_digest]
         if len(others) != 1 or (others[0].round, others[0].weights_digest) == (self.round, self.digest):
             return None

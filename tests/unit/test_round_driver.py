@@ -264,7 +264,7 @@ class FakePeer:
         rounds = [r.round for r in records if r.peer_id != self.me and r.weights_digest]
         return max(rounds) if rounds and all(x == rounds[0] for x in rounds) else None
 
-    def rejoin_state(self, records):
+    def rejoin_state(self, records, among=None):
         return None  # the fakes' peers never hold a state ahead of a live swarm that will not follow it
 
     def digest_voters(self, records):

@@ -93,7 +93,9 @@ async def test_the_catch_up_after_a_k_way_tie_downloads_the_winner_from_its_hold
 
     monkeypatch.setattr(dl, "download_state", download)
     assert node.rejoin_state(recs) == (46, "c" * 16)
-    await node.catch_up()  # the vote alone backs no state: it read 8 times and returned, adopting nothing
+    # the re-sync gather.rejoin makes (its target); without one the vote alone backs no state: it reads 8 times and
+    # returns, adopting nothing (red team 52a: a choice no re-sync followed no longer pins a plain catch-up)
+    await node.catch_up((46, "c" * 16))
     assert downloads == [(46, "c" * 16)] and donors == [["127.0.0.1:7002"]] and node.state.round == 46
 
 
@@ -113,10 +115,10 @@ async def test_a_chosen_state_nobody_serves_any_more_is_refused_not_replaced(mon
     assert node.rejoin_state(records) == (46, "f" * 16)
     records[0] = _rec(rogue, round=46, digest="0" * 16, port=7001, attests={me: 32})
     with pytest.raises(dl.StateSyncError):
-        await node.catch_up()
+        await node.catch_up((46, "f" * 16))  # the re-sync gather.rejoin makes to the state chosen
     assert downloads == [(46, "f" * 16)]
     assert (node.state.round, node.state.digest, node.syncing) == (46, "a" * 16, False)
-    assert node._chosen is None  # taken: a later catch-up follows the vote again
+    assert node._chosen is None  # taken
 
 
 async def test_an_explicit_target_nobody_announces_is_refused_and_a_stale_choice_is_not_used(monkeypatch):
@@ -127,10 +129,10 @@ async def test_an_explicit_target_nobody_announces_is_refused_and_a_stale_choice
         await node.catch_up((46, "e" * 16))  # the driver's tie said e: nobody serves it, and f is not taken instead
     assert downloads == []
     assert node.rejoin_state(records) == (46, "f" * 16)
-    node.state.digest = "d" * 16  # the state held changed since the choice: it no longer pins the catch-up
+    node.state.digest = "d" * 16  # the state held changed since the choice: its donors are not the pin's
     records[0] = _rec(other, round=46, digest="9" * 16, port=7001, attests={me: 32})
-    await node.catch_up()
-    assert downloads == [(46, "9" * 16)]  # what the vote backs now
+    await node.catch_up()  # no target: what the vote backs now
+    assert downloads == [(46, "9" * 16)]
 
 
 async def test_a_loser_of_a_tie_re_syncs_to_the_tie_rules_state_not_the_largest():

@@ -12,7 +12,7 @@ import logging
 from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Optional
 
 import torch
 
@@ -147,9 +147,8 @@ class StateSync:
         #: continue from its own checkpoint of that round)
         self.unanswered: Optional[int] = None
         self._silent: Optional[int] = None  # the last vote's: its holders' newest round when none answered a dial
-        #: (the state held, the choice) of the last :meth:`rejoin_state` that chose a state: what :meth:`catch_up`
-        #: downloads next (:meth:`_pinned`)
-        self._chosen: Optional[tuple[tuple[int, str], StateChoice]] = None
+        #: (the state held, (round, digest), the choice) of the last :meth:`rejoin_state` that chose one (:meth:`_pin`)
+        self._chosen: Optional[tuple[tuple[int, str], tuple[int, str], StateChoice]] = None
 
     def progress(self) -> Optional[SyncProgress]:
         """The ``sync_progress`` of this peer's record: the meter's progress while it syncs, else None.
@@ -224,8 +223,8 @@ class StateSync:
     async def catch_up(self, target: Optional[tuple[int, str]] = None) -> None:
         """Bring this peer to the state the swarm's vote backs (late join, planned out, digest mismatch):
         weighted by standing once this peer knows who delivered, else by distinct addresses with history
-        (standing.py). ``target`` (round, digest), or else the state the last :meth:`rejoin_state` chose at the
-        state held: that state and no other, unless the vote backs a later round (:meth:`_pinned`).
+        (standing.py). ``target`` (round, digest): that state and no other, unless the vote backs a later round
+        (:meth:`_pinned`; with the donors the last :meth:`rejoin_state` chose it from).
 
         Incremental (issue 14 #3): a state of an earlier round -- this peer's own when it is of the swarm's
         lineage (planned out), or one it downloaded while the swarm moved on -- is brought forward by the
@@ -482,14 +481,15 @@ class StateSync:
             await self._announce()
 
     def _pin(self, target: Optional[tuple[int, str]]) -> Optional[StateChoice]:
-        """The state a catch-up downloads whatever the vote: ``target``, or :attr:`_chosen` (taken) when chosen at the
-        state held now, with the donors it was chosen from; None: the vote's. Red team 51b: a re-sync of a tie lost
-        downloaded what a fresh vote backed (a rogue's larger, then smaller digest: a state losing to its own)."""
+        """The state a catch-up downloads whatever the vote: ``target`` (with :attr:`_chosen`'s donors when it chose
+        it at the state held now), None: the vote's. Red team 52a: a choice no re-sync followed pinned the next
+        catch-up of a peer behind to a rogue's state over the majority's at its round."""
         chosen, self._chosen = self._chosen, None
-        if chosen is not None and chosen[0] == (self.state.round, self.state.digest):
-            if target is None or target == (chosen[1].round, chosen[1].digest):
-                return chosen[1]
-        return None if target is None else StateChoice(target[0], target[1], [], 0, 0, "tie")
+        if target is None:
+            return None
+        if chosen is not None and chosen[:2] == ((self.state.round, self.state.digest), target):
+            return chosen[2]
+        return StateChoice(target[0], target[1], [], 0, 0, "tie")
 
     def _pinned(self, pin: StateChoice, recs: list, choice: Optional[StateChoice]):
         """(pin, choice) of a pass of a pinned catch-up: no pin and the vote's ``choice`` when it backs a later round
@@ -711,10 +711,10 @@ class StateSync:
         vote = self.state_vote(recs)
         return vote.choice.round if vote.choice is not None else None
 
-    def rejoin_state(self, recs) -> Optional[tuple[int, str]]:
+    def rejoin_state(self, recs, among: Optional[Collection[str]] = None) -> Optional[tuple[int, str]]:
         """The (round, digest) this peer should re-sync to now, before training a round, though the swarm is at
-        no later round: None when there is none (docs/round.md, "Peers resumed at different rounds"). The next
-        :meth:`catch_up` downloads exactly this state (:meth:`_pinned`).
+        no later round: None when there is none (docs/round.md, "Peers resumed at different rounds"). A re-sync to
+        it (:meth:`catch_up` with it as target) downloads exactly this state (:meth:`_pinned`).
 
         ``recs``: the run's records (this peer's own and leaving ones are skipped: the question is which state
         the live swarm trains on). The state is :meth:`state_vote`'s choice over the live others' records
@@ -730,10 +730,9 @@ class StateSync:
         * for an earlier round, :meth:`_why_not_back` finds no reason to wait (no live peer at this peer's
           round or later, none of its backers would adopt this peer's state by its own vote).
 
-        When the standing vote backs no state (a k-way tie, e.g. three peers resumed on three digests of one
-        round), it is :func:`~geomesh_p2p.plan.agree.state_tie_winner`'s over the live peers with standing here,
-        this peer counted, when not this peer's (a later round too: :meth:`behind` backs none then; an earlier one
-        as above). Red team 51b: the losers of a 1-1-1 tie ended exit 3 while the winner trained on alone.
+        No majority (a k-way tie: red team 51b's 1-1-1, whose losers ended exit 3): ``plan.agree.state_tie_winner``
+        over the live peers with standing here (``among``, a resumed peer's checkpoint partners: theirs only; red
+        team 52a), this peer counted, when not its own state (a later round too; an earlier one: as above).
 
         Why: a whole swarm stopped at once resumed from checkpoints of different rounds (the peer that did not
         see the others leave trained one more round alone); each side waited the whole ``--min-peers`` wait
@@ -760,17 +759,19 @@ class StateSync:
             ours = {target: holders[target], mine: holders[mine]}
             if ours[target] < ours[mine] or state_tie_winner(ours) != target:
                 return None
-        elif vote.standing and len(holders) > 1:
-            target = state_tie_winner(holders)  # no majority: the rule every peer with these records computes alike
+        elif vote.standing:
+            tied = Counter((r.round, str(r.weights_digest)) for r in voting if among is None or r.peer_id in among)
+            tied[mine] += 1
+            target = state_tie_winner(tied)  # no majority: the rule every peer with these records computes alike
             if target == mine:
                 return None
-            choice = StateChoice(*target, [], holders[target], sum(holders.values()), "tie")
+            choice = StateChoice(*target, [], tied[target], sum(tied.values()), "tie")
         else:
             return None
         if target[0] < held_round and self._why_not_back(choice, live, held_round, held_digest) is not None:
             return None
         donors = [r.address for r in voting if (r.round, r.weights_digest) == target and r.address]
-        self._chosen = (mine, replace(choice, donors=donors))
+        self._chosen = (mine, target, replace(choice, donors=donors))
         return target
 
     def state_vote(self, recs):
