@@ -114,7 +114,9 @@ def last_round_leaders(
     peer accepts too. What a rogue leader of round r - 1 gains: it leads round r after two whole attempts in which
     every candidate of the first level, then every established last resort, published nothing; a colluder that is
     such a candidate could lead that round and plan it in anyway, and with no colluder (an honest candidate stalled)
-    it leads a round it led anyway once that candidate's record lapsed (the third level), only sooner.: a peer that verified work excludes is left out of the plans of the leaders that hold the
+    it leads a round it led anyway once that candidate's record lapsed (the third level), only sooner.
+
+    Why (session 29): a peer that verified work excludes is left out of the plans of the leaders that hold the
     verdict, but stays established in everyone's standing for the window's rounds, so it kept leading the rounds
     whose rendezvous rank it won, planning itself back in (the backdoor benchmark: the poisoner, out of rounds 6-11
     and 13, was in 12 and 14, both led by it; out from round 6 otherwise). Round ``r - 1``'s plan is the same at
@@ -546,17 +548,18 @@ def last_resort(
 
 #: Attempts at a round and state that ended with no plan at all before round r - 1's leader may lead round r, where
 #: another participant of round r - 1's plan is a candidate (:func:`last_round_leaders`): as a last resort, after the
-#: candidates' whole attempt and the other established last resorts' (issue 28, session 52: a stopped candidate's record
-#: lived on, the newcomer published first and the last leader, which refuses a newcomer's plan, led once the record
-#: lapsed: two states of round 3).
+#: candidates' whole attempt and the other established last resorts' (issue 28, session 52: a stopped candidate's
+#: record lived on, the newcomer published first and the last leader, which refuses a newcomer's plan, led once the
+#: record lapsed: two states of round 3).
 LEADER_RESORT_MISSES = 2
 
 #: Attempts at a round and state that ended with no plan at all before a peer on probation in its own view is a last
 #: resort beside an established one (:func:`established_resorts`), one more where round r - 1's leader is an
-#: established member that is a last resort only from ``LEADER_RESORT_MISSES`` (:func:`newcomer_resort_misses`). Red team 51c: with 1 (never), one established
-#: peer that stays live and publishes nothing, not even as a last resort (a rogue, or one whose own view leaves it
-#: out), held every newcomer of a young swarm out of leading while its record lived: no plan at all, for ever. The
-#: established last resorts publish in the second attempt; a newcomer reaches the third only if none did.
+#: established member that is a last resort only from ``LEADER_RESORT_MISSES`` (:func:`newcomer_resort_misses`).
+#: Red team 51c: with 1 (never), one established peer that stays live and publishes nothing, not even as a last
+#: resort (a rogue, or one whose own view leaves it out), held every newcomer of a young swarm out of leading while its
+#: record lived: no plan at all, for ever. The established last resorts publish in the second attempt; a newcomer
+#: reaches the third only if none did.
 NEWCOMER_RESORT_MISSES = 2
 
 
@@ -597,8 +600,8 @@ def newcomer_resort_misses(drv: RoundDriver, r: int, members: Sequence[PeerRecor
     ``r - 1``'s leader is a member, established in this peer's view of ``members``, and a last resort only from
     ``LEADER_RESORT_MISSES`` (:func:`barred_last_leader` over ``candidates``).
 
-    Why (issue 28, session 52, the e2e stalled-peer run): the newcomer p2 published at its third attempt while round 2's
-    leader p0 could not lead (its only candidate p1 stopped, its record live); p0 refused p2's plan (its leader on
+    Why (issue 28, session 52, the e2e stalled-peer run): the newcomer p2 published at its third attempt while round
+    2's leader p0 could not lead (its only candidate p1 stopped, its record live); p0 refused p2's plan (its leader on
     probation) and led round 3 once p1's record lapsed: p0 and p2 applied two states. An established peer refuses a
     newcomer's plan while one is live, so each established last resort gets a whole attempt first. The inputs are
     round ``r - 1``'s plan and the standing, the same ones that make that leader a last resort at its peer."""

@@ -101,8 +101,9 @@ async def test_the_last_leader_publishes_before_a_newcomer_while_the_only_candid
     rows = [[(r.round, r.leader) for r in d.history] for d in drivers]
     assert rows == [[(3, a.me[:10])], [(3, a.me[:10])]]  # the rows name a leader by its first 10 characters
     assert a.round == c.round == 4 and a.digest == c.digest
-    # bounded: two attempts without a plan, then the one p0 leads (p2 may read it in its third or fourth)
-    assert a.agreements == 3 and 3 <= c.agreements <= 4, (a.agreements, c.agreements)
+    # p0 leads no earlier than its third attempt (two without a plan: LEADER_RESORT_MISSES), one more where a loaded
+    # machine stalled an attempt (PlanStalled counts no miss); p2 reads p0's plan in its third or fourth
+    assert 3 <= a.agreements <= 4 and 3 <= c.agreements <= 4, (a.agreements, c.agreements)
 
 
 def _driver(me: str, misses: int, prev, established: set[str]) -> SimpleNamespace:
