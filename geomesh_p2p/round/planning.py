@@ -85,15 +85,17 @@ def next_leaders(plan: RoundPlan) -> list[frozenset]:
 
 
 def last_round_leaders(
-    seen: Optional[RoundPlan], r: int, candidates: Sequence[str], missed: bool = False
+    seen: Optional[RoundPlan], r: int, candidates: Sequence[str], missed: int = 0
 ) -> Optional[frozenset]:
     """Who may lead round ``r``: the participants of round ``r - 1``'s plan ``seen`` (the plan this peer obtained
     for it, followed or not) other than its leader and those it names as accused (:func:`next_leaders`), when one
     of ``candidates`` is among them; else with the accused; with its leader when no other candidate is; None (no
     such rule this round) when ``seen`` is of another round or names none of them.
 
-    ``missed``: this peer's earlier attempt at round ``r`` (same state) ended with no plan at all. The level without
-    the accused is then skipped (the accused may lead, its leader still not while another took part). Red team 47:
+    ``missed``: how many of this peer's earlier attempts at round ``r`` (same state) ended with no plan at all (True:
+    one). From one, the level without the accused is skipped (the accused may lead, its leader still not while another
+    took part); from ``LEADER_RESORT_MISSES``, the second too: round ``r - 1``'s leader may lead (a last resort only:
+    the candidates are the first level's, session 52 below). Red team 47:
     the rogue leader of round r - 1 names the only other honest established peer X, its colluder Y stays live and
     publishes nothing; every peer takes the level {Y}, and X's last-resort plan was refused as content, so no plan
     appeared while Y's record lived. The first level is a function of the plan but whether its candidate publishes
@@ -101,6 +103,18 @@ def last_round_leaders(
     in its first attempt refuses X's plan (absent), so it follows a plan of the first level or none; X publishes
     only as a last resort (after every candidate's turn, never once a member's plan it does not ignore was read),
     and every peer that accepts X's plan accepts the first level's plans too (a subset) and ranks them the same.
+
+    Round r - 1's leader after ``LEADER_RESORT_MISSES`` (issue 28, session 52): p0 led round 2, round 3's only
+    candidate p1 was stopped with its record live, the newcomer p2 published as a late last resort, p0 refused that
+    plan (its leader on probation) and led round 3 itself once p1's record lapsed: two states. A newcomer's plan is
+    refused by every established peer while one is live, so an established one must publish first, round r - 1's
+    leader included, in every view alike: every peer past two whole attempts lets it lead, and a newcomer waits one
+    attempt more while it is a live established member (:func:`newcomer_resort_misses`). The same argument as red
+    team 47's: a peer in an earlier attempt ignores its plan as absent and follows a plan of a level that every later
+    peer accepts too. What a rogue leader of round r - 1 gains: it leads round r after two whole attempts in which
+    every candidate of the first level, then every established last resort, published nothing; a colluder that is
+    such a candidate could lead that round and plan it in anyway, and with no colluder (an honest candidate stalled)
+    it leads a round it led anyway once that candidate's record lapsed (the third level), only sooner.
 
     Why (session 29): a peer that verified work excludes is left out of the plans of the leaders that hold the
     verdict, but stays established in everyone's standing for the window's rounds, so it kept leading the rounds
@@ -117,7 +131,8 @@ def last_round_leaders(
     hands the next one to somebody else, and a leader holding the verdict leaves it out of the round after."""
     if seen is None or seen.round != r - 1:
         return None
-    for took in next_leaders(seen)[1:] if missed else next_leaders(seen):
+    levels = next_leaders(seen)
+    for took in levels[2:] if missed >= LEADER_RESORT_MISSES else levels[1:] if missed else levels:
         if any(c in took for c in candidates):
             return took
     return None
@@ -269,8 +284,9 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
     # the first level, red team 47): as last resorts only (the candidates, whose turns come first, are kept), so
     # a plan of the first level, where one appears, is the one every peer follows.
-    missed = drv._plan_misses[:2] == (r, drv.state.digest) and drv._plan_misses[2] >= 1
-    may_lead = last_round_leaders(drv._plan_seen, r, candidates, missed=True) if missed else took
+    missed = drv._plan_misses[2] if drv._plan_misses[:2] == (r, drv.state.digest) else 0
+    # (round r - 1's leader from LEADER_RESORT_MISSES on, ranked after the established last resorts: session 52)
+    may_lead = last_round_leaders(drv._plan_seen, r, candidates, missed=missed) if missed else took
     if took is not None:
         candidates = [c for c in candidates if c in took]
     if doubt is not None:  # a plan of this peer's could be one the others refuse as content: it leads nothing
@@ -479,7 +495,10 @@ def last_resort(
 
     ``may_lead``: who may lead this round (:func:`last_round_leaders`, None: anyone). A member outside it is no last
     resort: every peer refuses its plan as content (red team 47: round r - 1's leader, a last resort too, ranked
-    before the accused, and its refused plan would only have delayed the accused's)."""
+    before the accused, and its refused plan would only have delayed the accused's). So round r - 1's leader is one
+    only from ``LEADER_RESORT_MISSES`` attempts with no plan (where the others' level holds a candidate): after the
+    candidates' whole attempt and the established last resorts' (the accused's) whole attempt, and before any
+    newcomer's (:func:`newcomer_resort_misses`; issue 28, session 52)."""
     member_ids = {m.peer_id for m in members}
     if drv.me in candidates or drv.me not in member_ids or (may_lead is not None and drv.me not in may_lead):
         return []
@@ -487,7 +506,8 @@ def last_resort(
         return []
     resorts = sorted(p for p in member_ids - set(candidates) if may_lead is None or p in may_lead)
     est = established_resorts(drv, members, candidates, resorts)
-    if drv.me not in est and drv._plan_misses[2] < NEWCOMER_RESORT_MISSES:
+    wait = newcomer_resort_misses(drv, r, members, candidates)
+    if drv.me not in est and drv._plan_misses[2] < wait:
         if drv._plan_misses[2] == 1:
             log.info(
                 "round %d: no plan appeared in a whole attempt; this peer is on probation in its own view while "
@@ -500,7 +520,10 @@ def last_resort(
     late = drv.me not in est
     if late:  # the established ones published nothing in a whole escalated attempt either (red team 51c)
         est = resorts
-    if drv._plan_misses[2] == (NEWCOMER_RESORT_MISSES if late else 1):  # its first attempt as a last resort: once
+    # its first attempt as a last resort: once (round r - 1's leader is one from LEADER_RESORT_MISSES where the
+    # others' level held a candidate: last_round_leaders)
+    first = wait if late else LEADER_RESORT_MISSES if drv.me in barred_last_leader(drv, r, candidates) else 1
+    if drv._plan_misses[2] == first:
         events.emit(
             log,
             logging.WARNING,
@@ -523,11 +546,20 @@ def last_resort(
     return est
 
 
+#: Attempts at a round and state that ended with no plan at all before round r - 1's leader may lead round r, where
+#: another participant of round r - 1's plan is a candidate (:func:`last_round_leaders`): as a last resort, after the
+#: candidates' whole attempt and the other established last resorts' (issue 28, session 52: a stopped candidate's
+#: record lived on, the newcomer published first and the last leader, which refuses a newcomer's plan, led once the
+#: record lapsed: two states of round 3).
+LEADER_RESORT_MISSES = 2
+
 #: Attempts at a round and state that ended with no plan at all before a peer on probation in its own view is a last
-#: resort beside an established one (:func:`established_resorts`). Red team 51c: with 1 (never), one established
-#: peer that stays live and publishes nothing, not even as a last resort (a rogue, or one whose own view leaves it
-#: out), held every newcomer of a young swarm out of leading while its record lived: no plan at all, for ever. The
-#: established last resorts publish in the second attempt; a newcomer reaches the third only if none did.
+#: resort beside an established one (:func:`established_resorts`), one more where round r - 1's leader is an
+#: established member that is a last resort only from ``LEADER_RESORT_MISSES`` (:func:`newcomer_resort_misses`).
+#: Red team 51c: with 1 (never), one established peer that stays live and publishes nothing, not even as a last
+#: resort (a rogue, or one whose own view leaves it out), held every newcomer of a young swarm out of leading while its
+#: record lived: no plan at all, for ever. The established last resorts publish in the second attempt; a newcomer
+#: reaches the third only if none did.
 NEWCOMER_RESORT_MISSES = 2
 
 
@@ -549,6 +581,37 @@ def established_resorts(
         return resorts
     est = ids(list(members), sorted(set(candidates) | set(resorts)))
     return [p for p in resorts if p in est] if est else resorts
+
+
+def barred_last_leader(drv: RoundDriver, r: int, candidates: Sequence[str]) -> frozenset:
+    """Round ``r - 1``'s leader (as a set of one PeerID, else empty) where round ``r - 1``'s plan this peer obtained
+    (``drv._plan_seen``) lets it lead round ``r`` only from ``LEADER_RESORT_MISSES`` attempts with no plan: another
+    participant is one of ``candidates`` (:func:`last_round_leaders` after one miss leaves it out)."""
+    seen = getattr(drv, "_plan_seen", None)
+    if seen is None or seen.round != r - 1:
+        return frozenset()
+    took = last_round_leaders(seen, r, candidates, missed=1)
+    return frozenset() if took is None or seen.leader in took else frozenset({seen.leader})
+
+
+def newcomer_resort_misses(drv: RoundDriver, r: int, members: Sequence[PeerRecord], candidates: Sequence[str]) -> int:
+    """Attempts at round ``r`` and this state with no plan at all before this peer, on probation in its own view, is
+    a last resort beside established peers: ``NEWCOMER_RESORT_MISSES``, or ``LEADER_RESORT_MISSES + 1`` while round
+    ``r - 1``'s leader is a member, established in this peer's view of ``members``, and a last resort only from
+    ``LEADER_RESORT_MISSES`` (:func:`barred_last_leader` over ``candidates``).
+
+    Why (issue 28, session 52, the e2e stalled-peer run): the newcomer p2 published at its third attempt while round
+    2's leader p0 could not lead (its only candidate p1 stopped, its record live); p0 refused p2's plan (its leader on
+    probation) and led round 3 once p1's record lapsed: p0 and p2 applied two states. An established peer refuses a
+    newcomer's plan while one is live, so each established last resort gets a whole attempt first. The inputs are
+    round ``r - 1``'s plan and the standing, the same ones that make that leader a last resort at its peer."""
+    lead = barred_last_leader(drv, r, candidates)
+    ids = getattr(getattr(drv, "policy", None), "standing_established_ids", None)
+    if not lead or drv.me in lead or ids is None or not lead <= {m.peer_id for m in members}:
+        return NEWCOMER_RESORT_MISSES
+    if not lead <= ids(list(members), sorted(lead)):
+        return NEWCOMER_RESORT_MISSES
+    return max(NEWCOMER_RESORT_MISSES, LEADER_RESORT_MISSES + 1)
 
 
 #: A state adopted by a sync this long before a plan's creation (seconds) may not have been announced by then: the
