@@ -95,7 +95,8 @@ def record_capacity(node: PeerNode) -> dict:
 def record_state(node: PeerNode) -> dict:
     """The state fields of this peer's record: ``round``, ``weights_digest`` (None while syncing), ``unled_until`` (the
     last round of the marks it holds on itself: ``Penalties.own_unled_until``), ``owner_bars`` (the owner penalties in
-    force when it holds them all: ``Penalties.owner_bars``), ``lead_from`` (``NodeRoundPolicy.lead_from``) and ``last_plan``,
+    force when it holds them all: ``Penalties.owner_bars``), ``unled_marks`` (its leader marks on the others, likewise:
+    ``Penalties.unled_marks``), ``lead_from`` (``NodeRoundPolicy.lead_from``) and ``last_plan``,
     the plan of round ``round - 1`` it obtained (:func:`~geomesh_p2p.round.last_plan.record_ref`: peers that did not
     obtain it take it by their voters' references), left out while it holds none or is syncing. A peer that ended
     alone on a state that is not the swarm's (:func:`~geomesh_p2p.node.report.disowned`) names neither: no fork's
@@ -107,6 +108,8 @@ def record_state(node: PeerNode) -> dict:
     unled = pen.own_unled_until() if pen is not None else None
     # the owner penalties it holds: what a peer planned out of one of their rounds takes from its voters (session 51)
     bars = None if unsure or pen is None or pen.state.round != node.round else pen.owner_bars()
+    # the leader marks it holds on the others: what backs a peer's own unled_until for a joiner (session 52)
+    marks = None if unsure or pen is None or pen.state.round != node.round else pen.unled_marks()
     # the first round it may lead again by the marks it lacks: the others take the next candidate's turn at once
     policy = getattr(node, "policy", None)
     gap = (
@@ -122,6 +125,7 @@ def record_state(node: PeerNode) -> dict:
         "last_plan": ref,
         "unled_until": unled,
         "owner_bars": bars,
+        "unled_marks": marks,
         "lead_from": gap,
     }
 

@@ -162,8 +162,12 @@ class NodeRoundPolicy:
         span; session 50). If every member does so, the last resort publishes
         (:func:`geomesh_p2p.round.planning.last_resort`)."""
         members = self.verified.members(members)
-        # without the history, the peers' own word on their marks too (Penalties.announced_unled; session 50)
-        told = self.penalties.announced_unled(live.values()) - self.penalties.unled()
+        view = self.planning.standing_view(list(live.values()))
+        # without the history, the peers' own word on their marks too (Penalties.announced_unled; session 50), where
+        # a majority of every live peer that may lead backs it (backed_unled): the claimant's word alone moved this
+        # peer's level off the holders' (red team 50b, session 52)
+        backers = pb.leader_candidates(view, self.verified.member_ids(live), barred=self.penalties.unled())
+        told = self.penalties.backed_unled(live.values(), backers) - self.penalties.unled()
         if told and told != self._told_said:  # one INFO line a set: the e2e log shows why the joiner's level moved
             log.info(
                 "round %d: this peer lacks the marks of the last rounds; %s announce(s) a mark on itself: no leader "
@@ -173,7 +177,6 @@ class NodeRoundPolicy:
             )
         self._told_said = told
         unled = self.penalties.unled() | told
-        view = self.planning.standing_view(list(live.values()))
         cands = pb.leader_candidates(
             view, [m.peer_id for m in members], barred=unled
         )  # the bars of may_lead_ids, and this peer's own-standing rule

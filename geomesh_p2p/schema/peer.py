@@ -29,6 +29,8 @@ MAX_ATTESTED = 64
 LAST_PLAN_REF_CHARS = 160
 #: Most owner penalties a record may state in ``owner_bars`` (a peer holding more announces none: no vote then).
 MAX_OWNER_BARS = 64
+#: Most leader marks a record may state in ``unled_marks`` (a peer holding more announces none: no vote then).
+MAX_UNLED_MARKS = 64
 
 
 class SyncProgress(BaseModel):
@@ -150,6 +152,15 @@ class PeerRecord(BaseModel):
         "those rounds takes from a majority of its voters (0.18.1, session 51); left out of the JSON when None",
     )
 
+    unled_marks: Optional[dict[str, int]] = Field(
+        default=None,
+        description="the leader marks in force at `round` that this peer holds on the others (PeerID -> last round it "
+        "is no leader candidate: a no-show bench or a late mark, geomesh_p2p.round.rules.penalties), announced only "
+        "while it holds every one (it applied each of the last MARK_SPAN_ROUNDS rounds), {} when none: what backs a "
+        "peer's `unled_until` for a follower without that history (Penalties.backed_unled, session 52); left "
+        "out of the JSON when None",
+    )
+
     lead_from: Optional[int] = Field(
         default=None,
         ge=0,
@@ -168,6 +179,18 @@ class PeerRecord(BaseModel):
         ):
             raise ValueError(
                 f"owner_bars: at most {MAX_OWNER_BARS} entries, names of 1..64 characters, rounds in [0, 2**40]"
+            )
+        return v
+
+    @field_validator("unled_marks")
+    @classmethod
+    def _bounded_unled_marks(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        if v is not None and (
+            len(v) > MAX_UNLED_MARKS
+            or any(not 1 <= len(k) <= 64 or type(u) is not int or not 0 <= u <= 1 << 40 for k, u in v.items())
+        ):
+            raise ValueError(
+                f"unled_marks: at most {MAX_UNLED_MARKS} entries, names of 1..64 characters, rounds in [0, 2**40]"
             )
         return v
 
@@ -213,7 +236,7 @@ class PeerRecord(BaseModel):
 
     def to_bytes(self) -> bytes:
         """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan``, ``unled_until``,
-        ``owner_bars`` and ``lead_from`` are written
+        ``owner_bars``, ``unled_marks`` and ``lead_from`` are written
         only when set (not their defaults), so a record without them is byte for byte what a peer of the previous
         version wrote (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
@@ -224,6 +247,7 @@ class PeerRecord(BaseModel):
             ("last_plan", None),
             ("unled_until", None),
             ("owner_bars", None),
+            ("unled_marks", None),
             ("lead_from", None),
         )
         absent = {k for k, v in defaults if getattr(self, k) == v}

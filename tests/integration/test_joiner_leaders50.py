@@ -42,9 +42,11 @@ def _peers(n: int) -> tuple[list[Identity], list[PeerRecord]]:
     return idents, recs
 
 
-def _at(rec: PeerRecord, round: int, unled_until: int | None = None) -> PeerRecord:
-    """``rec`` announced at ``round`` (digest d2), with ``unled_until`` when given (round-tripped on the wire)."""
+def _at(rec: PeerRecord, round: int, unled_until: int | None = None, unled_marks: dict | None = None) -> PeerRecord:
+    """``rec`` announced at ``round`` (digest d2), with ``unled_until`` and ``unled_marks`` (the marks it holds on the
+    others: what backs a peer's own word, session 52) when given (round-tripped on the wire)."""
     fields = {"round": round, "weights_digest": "d2", **({"unled_until": unled_until} if unled_until else {})}
+    fields.update({"unled_marks": unled_marks} if unled_marks else {})
     return PeerRecord.from_bytes(json.dumps({**json.loads(rec.to_bytes()), **fields}).encode())
 
 
@@ -80,8 +82,10 @@ def test_the_slow_link_joiner_takes_the_holders_level_from_the_late_peers_own_re
     assert lead_problem(plan_a, took) == ContentRefusal(
         f"its leader {a[:10]} may not lead: it had no part in the last round's plan, led it, or was named accused in it"
     )
-    # now: B announces its mark, the joiner takes it, and its level is the holders'
-    told = [members[0], _at(recs[1], R + 1, unled_until=mark), members[2]]
+    # now: B announces its mark and A the mark it holds on B (what backs B's word: session 52), the joiner takes it,
+    # and its level is the holders'
+    assert [n.penalties.unled_marks() for n in holders] == [{b: mark}, None]
+    told = [_at(recs[0], R + 1, unled_marks={b: mark}), _at(recs[1], R + 1, unled_until=mark), members[2]]
     live = {x.peer_id: x for x in told}
     with caplog.at_level(logging.INFO, logger="geomesh_p2p.node.peer.round"):
         for _ in range(2):
@@ -165,7 +169,13 @@ async def test_a_rogue_succeeding_itself_does_not_take_the_joiner_away_from_the_
     assert mark == R + pb.LATE_MARK_ROUNDS
     joiner = _node(recs[:3], j, marks_from=None)
     joiner.state.round = R + 1
-    members = [_at(recs[0], R + 1), _at(recs[1], R + 1), _at(recs[2], R + 1, unled_until=mark), _at(recs[3], R + 1)]
+    assert nodes[x].penalties.unled_marks() == {h: mark}  # X's record backs H's word (session 52); L, the rogue, not
+    members = [
+        _at(recs[0], R + 1),
+        _at(recs[1], R + 1, unled_marks={h: mark}),
+        _at(recs[2], R + 1, unled_until=mark),
+        _at(recs[3], R + 1),
+    ]
     live = {p.peer_id: p for p in members}
     dht = MemoryDHT()
     rogue = nodes[lead].planning.build_plan(members[:3], lead)

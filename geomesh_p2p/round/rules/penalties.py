@@ -19,7 +19,7 @@ from typing import Collection, Iterable, Optional
 
 from geomesh_p2p.plan.bounds import LateCeilings, late_ceiling, usable_rates
 from geomesh_p2p.round.rules.state import RoundState
-from geomesh_p2p.schema.peer import MAX_OWNER_BARS
+from geomesh_p2p.schema.peer import MAX_OWNER_BARS, MAX_UNLED_MARKS
 from geomesh_p2p.trust import probation as pb
 
 # Round log lines keep the node's logger name: operators' filters and the tests' caplog select on it.
@@ -346,7 +346,9 @@ class Penalties:
         late-marked participant of the last round as a candidate, so ``round.planning.last_round_leaders`` gave it an
         earlier level than the peers holding the mark, and it refused as content the last round's leader succeeding
         itself, which they followed (8 rounds without training). A peer's word on itself only (its record is signed
-        by it): a rogue can bar nobody else from leading this way. The holders never take it (a record rewritten
+        by it): a rogue can bar nobody else from leading this way; and a claim, taken only where a majority of the
+        voters back it (:meth:`backed_unled`, red team 50b: the word alone moved a joiner's level off the holders'). The
+        holders never take it (a record rewritten
         between two holders' reads would give them two levels)."""
         r, me = self.state.round, self.state.me
         if self.holds(r):
@@ -356,6 +358,55 @@ class Penalties:
             for x in records
             if x.peer_id != me and type(getattr(x, "unled_until", None)) is int and x.unled_until >= r
         }
+
+    def unled_marks(self) -> Optional[dict[str, int]]:
+        """The leader marks in force this round that this peer holds on the others (PeerID -> last round it is no leader
+        candidate: the later end of its no-show bench and late mark), for its record (``PeerRecord.unled_marks``: what
+        backs a peer's own ``unled_until`` for a follower without the history, :meth:`backed_unled`). None when there
+        is none, when this peer does not :meth:`hold` the marks of the round, when it already concluded its own round
+        (its record still at that round until the commit would name marks of the next one, as
+        :meth:`_concluded_round` for the owner penalties) or holds more than a record carries (``MAX_UNLED_MARKS``)."""
+        r, me = self.state.round, self.state.me
+        if not self.holds(r) or (self.applied is not None and self.applied[1] >= r):
+            return None
+        marks = {p: until for p, until in self.noshows().items() if p != me}
+        for p, (until, _) in self.late_marks().items():
+            if p != me:
+                marks[p] = max(until, marks.get(p, until))
+        return marks if 0 < len(marks) <= MAX_UNLED_MARKS else None
+
+    def backed_unled(self, records, voters: Collection[str]) -> set[str]:
+        """The peers of :meth:`announced_unled` (``records``: PeerRecords, one a peer) whose own mark a majority of
+        ``voters`` (this peer's leader candidates before any announced mark, itself left out) back: more than half of
+        all of them have a record at this round that names it in force, the claimant's own ``unled_until`` or another
+        voter's ``unled_marks`` (:meth:`unled_marks`). A voter not at this round, or naming nothing, counts against.
+        Empty when this peer holds the marks (it goes by its own).
+
+        Why (red team 50b, session 52): a claim on oneself only shrinks the candidates, yet it moves a joiner's level
+        (``round.planning.last_round_leaders``) to a later one than the holders': a rogue X, the holders' only
+        first-level candidate, announced a mark nobody held; the joiner dropped X, took the level with round r - 1's
+        leader L, and followed no plan (L honest: it knows it may not lead) or L's self-succession (L colluding) while
+        the holders followed X's: two plans in one round. The claimant's word alone is one vote; an honest mark is
+        held by every holder, so where honest holders are most of the voters it is taken as before."""
+        told = self.announced_unled(records)
+        if not told:
+            return set()
+        r = self.state.round
+        who = set(voters) - {self.state.me}
+        at = {x.peer_id: x for x in records if x.peer_id in who and x.round == r}
+        backed = set()
+        for p in told:
+            votes = 0
+            for v, x in at.items():
+                if v == p:
+                    votes += type(getattr(x, "unled_until", None)) is int and x.unled_until >= r
+                else:
+                    marks = getattr(x, "unled_marks", None)
+                    until = marks.get(p) if isinstance(marks, dict) else None
+                    votes += type(until) is int and until >= r
+            if votes * 2 > len(who):
+                backed.add(p)
+        return backed
 
     def barred(self) -> list[str]:
         """Peers under an owner penalty this round."""
