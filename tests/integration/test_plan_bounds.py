@@ -858,6 +858,12 @@ def test_penalties_hold_whoever_leads(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: T0)
     assert "its leader p0 contributed to no part recently" in node.plan_problem(plan, live)
     pens.noshow, pens.owner = {}, {"p0": 9}
-    assert "it gives a part to p0, whose part had no valid result" in node.plan_problem(plan, live)
-    pens.owner = {}
+    # an owner bar refuses where the swarm shares it (session 52): p2 names it too: 2 of 3 voters (the leader p0 among them)
+    shared = {**live, "p2": live["p2"].model_copy(update={"owner_bars": {"p0": 9}})}
+    assert node.plan_problem(plan, shared).endswith(
+        "whose part had no valid result in a recent round (2 of 3 voters hold that bar)"
+    )
+    # held by this follower alone (1 of 3 voters; the leader's record names none): followed, its own plans bar p0
     assert node.plan_problem(plan, live) is None
+    pens.owner = {}
+    assert node.plan_problem(plan, shared) is None

@@ -182,6 +182,35 @@ class Penalties:
             f"({len(bars)} on others): taken for rounds {max(0, r - OWNER_PENALTY_ROUNDS)}-{r - 1}"
         )
 
+    def shared_bars(self, peers: Collection[str], records: Iterable, voters: Collection[str], leader: str) -> tuple:
+        """Of ``peers`` (owners a leader's plan of this round gives a part, under an owner penalty this peer holds),
+        those whose bar the swarm shares: the leader's own record names it (``PeerRecord.owner_bars``, in force this
+        round: it broke a bar it holds), or more than half of ``voters`` (this peer's leader candidates, this peer
+        counted too, as a holder) do. Returns (the shared ones, "k of n voters" per peer of ``peers``).
+
+        Why (fresh user 52): p1 restarted first and ran round 27 with p2 before p2 was ready; p2's part had no result
+        in p1's view only (p2 and p3 synced past the round), and p1 refused the plans of rounds 29-32, each giving p2
+        a part, while p2 and p3 followed them: 4 rounds sat out for a bar nobody else held. As for verified work's lone
+        verdicts (``Verdicts.plan_problem``), a bar held alone takes effect through this peer's own plans only
+        (:meth:`without_parts`); a shared one still refuses, so a rogue minority that leaves a bar out of its records
+        cannot get a failed owner a part past the honest holders. Records at another round count as they name the bar
+        (a stale one against it): honest peers in the plan announced this round before the leader planned them."""
+        r, me = self.state.round, self.state.me
+        who = set(voters) | ({me} if me is not None else set())
+        recs = {x.peer_id: x for x in records}
+
+        def names(x, p: str) -> bool:
+            bars = getattr(x, "owner_bars", None)
+            return isinstance(bars, dict) and bars.get(p, -1) >= r
+
+        shared, tally = [], {}
+        for p in peers:
+            votes = 1 + sum(1 for v in who - {me} if v in recs and names(recs[v], p))
+            tally[p] = f"{votes} of {len(who)} voters"
+            if (leader != me and leader in recs and names(recs[leader], p)) or votes * 2 > len(who):
+                shared.append(p)
+        return shared, tally
+
     def lead_gap(self, round: int) -> Optional[str]:
         """Why this peer must not lead ``round`` from the marks it holds (None: it may): it does not know the marks
         the others may hold on it (up to ``MARK_SPAN_ROUNDS`` back: they refuse a benched leader's plan,

@@ -74,6 +74,7 @@ class PlanRules:
         self.penalties = penalties
         self.profile = profile if profile is not None else Reprofiler(cfg, state)
         self._no_owner = False  # the last plan attempt found no member that can own a part
+        self._lone_bars_said: Optional[tuple] = None  # the plan whose lone owner bars were last logged as followed
 
     @property
     def method_rule(self) -> MethodRule:
@@ -249,7 +250,7 @@ class PlanRules:
         if reason is not None:
             return reason
         # Batches, steps, window, budgets and ownership, recomputed from the records (issue 11).
-        reason = self._penalty_problem(plan)
+        reason = self._penalty_problem(plan, live)
         if reason is not None:
             return reason
         barred = self.penalties.barred()
@@ -282,7 +283,7 @@ class PlanRules:
         unknown = [p[:10] for p in sample if p not in sampled]
         if unknown:
             return f"it names peers that are not live: {unknown}"
-        reason = _address_problem(plan, sampled) or self._steps_problem(plan) or self._penalty_problem(plan)
+        reason = _address_problem(plan, sampled) or self._steps_problem(plan) or self._penalty_problem(plan, sampled)
         if reason is not None:
             return reason
         return planner.check_plan_sampled(
@@ -339,10 +340,13 @@ class PlanRules:
             return "its deadlines are unreasonably far in the future"
         return None
 
-    def _penalty_problem(self, plan) -> Optional[str]:
+    def _penalty_problem(self, plan, live: Optional[dict] = None) -> Optional[str]:
         """Penalties hold whoever leads (an adversarial review found a no-show leading and giving itself 64%
         of the model again): a leader this peer saw deliver nothing, or a part given to an owner whose part
-        had no valid result, is refused; the next leader takes over."""
+        had no valid result, is refused; the next leader takes over. An owner bar refuses only where the swarm
+        shares it (:meth:`Penalties.shared_bars` over ``live``, peer id -> PeerRecord: the leader's record or a
+        majority of the voters' name it); one held here alone is followed past, with one INFO line (session 52).
+        ``live`` None (no records read): every bar held here refuses."""
         me, barred, noshows = self.state.me, self.penalties.barred(), self.penalties.noshows()
         if plan.leader in noshows and plan.leader != me:
             return f"its leader {plan.leader[:10]} contributed to no part recently (not planned until round {noshows[plan.leader]})"
@@ -351,8 +355,34 @@ class PlanRules:
         # round). Honest late peers hold their own mark (note_own_failures, note_sat_out) or, without the history, do
         # not lead (Penalties.lead_gap); a rogue one escapes its late ceiling, no further than an unmarked peer's budget.
         owning = [pid for pid, _, _ in plan.owners() if pid in barred and pid != me]
-        if owning:
-            return f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
+        if not owning or live is None:
+            return (
+                f"it gives a part to {owning[0][:10]}, whose part had no valid result in a recent round"
+                if owning
+                else None
+            )
+        # a bar held here alone is followed past (session 52, Penalties.shared_bars): refused, this peer sat out every
+        # plan the others followed while it lasted (fresh user 52: rounds 29-32); its own plans still leave the peer out
+        recs = list(live.values())
+        voters = pb.leader_candidates(self.standing_view(recs), list(live), barred=self.penalties.unled())
+        shared, tally = self.penalties.shared_bars(owning, recs, voters, plan.leader)
+        if shared:
+            return (
+                f"it gives a part to {shared[0][:10]}, whose part had no valid result in a recent round "
+                f"({tally[shared[0]]} hold that bar)"
+            )
+        key = (plan.round, plan.leader, tuple(owning))
+        if key != self._lone_bars_said:  # one line a plan: plan_problem runs at every attempt that reads it
+            log.info(
+                "round %d: following the plan of leader %s although it gives a part to %s, whose part had no valid "
+                "result in this peer's view only (%s hold that bar; the leader's record names none): a bar held alone "
+                "bars them from this peer's own plans only",
+                plan.round,
+                plan.leader[:10],
+                ", ".join(p[:10] for p in owning),
+                "; ".join(f"{p[:10]}: {tally[p]}" for p in owning),
+            )
+        self._lone_bars_said = key
         return None
 
 
