@@ -744,7 +744,8 @@ class PeerNode:
             return
         # Leaving is announced first (before a checkpoint of seconds), so the others plan the next round without it
         try:
-            if self.announcer is not None and not self._leaving and self.ema is not None and not self.identity_taken:
+            a = self.announcer  # what it stored decides, not the flag: PeerAnnouncer.said_leaving (fresh user 52)
+            if a is not None and not a.said_leaving and self.ema is not None and not self.identity_taken:
                 self._leaving = True
                 events.emit(
                     log,

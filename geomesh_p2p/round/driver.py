@@ -70,6 +70,9 @@ LINEAGE_ROUNDS = 4096
 #: expire (8 s) before a follower reads them; a plan naming such a peer costs at most its parts, while
 #: refusing it makes the follower sit the round out.
 RECENT_RECORD_S = 60.0
+#: Longest wait, seconds, at the end of the rounds for a stop's leaving announcement under way (a DHT store: a few
+#: RPC timeouts at worst): cut short, the announcement never reached the others (fresh user 52, below).
+LEAVING_ANNOUNCE_WAIT_S = 15.0
 
 __all__ = [
     "Phase",
@@ -389,6 +392,12 @@ class RoundDriver:
         try:
             await self._rounds()
         finally:
+            if self.stop.is_set() and not watcher.done():
+                # A stop's leaving announcement under way is finished, not cancelled: a peer stopped while it waited
+                # alone leaves its gather at once, and cancelling the store here (the node's shutdown then saw
+                # "leaving" set and announced nothing) left its last record "training" on the others' status views
+                # until it expired (fresh user 52: 98.9 s after the peer exited).
+                await asyncio.wait({watcher}, timeout=LEAVING_ANNOUNCE_WAIT_S)
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             # Eager: speculative steps of a round that will not run stop; the model holds the global weights.
