@@ -75,3 +75,21 @@ async def test_said_leaving_follows_what_was_stored_not_what_was_asked():
     node.gate = None
     assert await a.announce_once() is True
     assert a.said_leaving is True
+
+
+async def test_the_driver_announces_what_it_does_when_that_changes():
+    """RoundDriver.activity (PeerRecord.activity): a change is announced at once (``activity_changed``), once."""
+    (lone,) = _peers(1)
+    clock = FakeClock(on_wait=lambda t: t > 1000.0 + 5 and lone.stop.set())
+    drv = lone.driver(min_peers=3, wait_peers_s=600.0, clock=clock)
+    said: list = []
+    drv._activity_changed = lambda: said.append(drv.activity)
+    await asyncio.wait_for(drv.run(), 20)
+    assert said == ["waiting"]  # said once, not at every read of the wait
+    pair = _peers(2)
+    drivers = [p.driver(rounds=2, min_peers=2) for p in pair]
+    seen: list[list] = [[], []]
+    for d, out in zip(drivers, seen):
+        d._activity_changed = lambda d=d, out=out: out.append(d.activity)
+    await asyncio.wait_for(asyncio.gather(*(d.run() for d in drivers)), 30)
+    assert seen == [["training"], ["training"]]
