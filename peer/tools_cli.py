@@ -91,10 +91,11 @@ def _fmt(x, digits=1) -> str:
 
 
 def _peer_count(peers: list[dict]) -> str:
-    """``"3"``, or with the states when they differ: ``"3 (2 training, 1 leaving)"`` (a fresh user read "peers 3"
-    beside a plan of 2 after a peer left: the leaving record still counts until it expires)."""
+    """``"3"`` when all train, else with the states: ``"3 (2 training, 1 leaving)"``, ``"4 (4 left)"`` (a fresh user
+    read "peers 3" beside a plan of 2 after a peer left: the leaving record still counts until it expires; fresh user
+    52 read "peers 4" after all four had left)."""
     states = collections.Counter(str(p.get("state")) for p in peers)
-    if len(states) <= 1:
+    if not states or set(states) == {"training"}:
         return str(len(peers))
     return f"{len(peers)} (" + ", ".join(f"{n} {s}" for s, n in states.most_common()) + ")"
 

@@ -486,6 +486,30 @@ def add_flags(parser, specs: list[FlagSpec], title: Optional[str] = None) -> Non
         s.add_to(groups[name])
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) from ``a`` to ``b``: optimal string alignment."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def closest(word: str, known: list[str], cutoff: float = 0.75) -> Optional[str]:
+    """The name in ``known`` that ``word`` most likely meant, or None: among those difflib finds close (``cutoff``),
+    the fewest edits away (a swap of two neighbours is one edit), then the nearest in length, then the longer. By
+    difflib's ratio alone ``--modle`` meant ``--mode`` (fresh user 52), one swap from ``--model``."""
+    near = difflib.get_close_matches(word, known, n=len(known) or 1, cutoff=cutoff)
+    if not near:
+        return None
+    return min(near, key=lambda k: (_edit_distance(word, k), abs(len(k) - len(word)), -len(k), k))
+
+
 class StrictParser(argparse.ArgumentParser):
     """An ArgumentParser that takes no abbreviated flags (``--thread 1`` is an error, not ``--threads 1``: a
     typo silently took another flag's meaning) and suggests the closest flag for an unknown one
@@ -496,9 +520,8 @@ class StrictParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def suggest(self, message: str) -> str:
-        """``message`` with "(did you mean --X?)" for each unknown ``--flag`` in it that is close to a known one."""
-        import difflib
-
+        """``message`` with "(did you mean --X?)" for each unknown ``--flag`` in it that is close to a known one
+        (:func:`closest`)."""
         if "unrecognized arguments" not in message:
             return message
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
@@ -506,9 +529,9 @@ class StrictParser(argparse.ArgumentParser):
         for word in message.split(":", 1)[-1].split():
             flag = word.split("=", 1)[0]
             if flag.startswith("--"):
-                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                close = closest(flag, known)
                 if close:
-                    hints.append(f"{flag}: did you mean {close[0]}?")
+                    hints.append(f"{flag}: did you mean {close}?")
         return f"{message} ({'; '.join(hints)})" if hints else message
 
 
@@ -571,7 +594,8 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
     """Read ``path`` (YAML, or JSON for ``*.json``), check every key is an option of ``parser``, and return
     the values as parser defaults (so flags on the command line still win).
 
-    Keys are the long option names, with dashes or underscores (``speed-factors`` or ``speed_factors``).
+    Keys are the long option names, with dashes or underscores (``speed-factors`` or ``speed_factors``; both in one
+    file is an error, not the last one winning).
     Each value must be of its option's kind (:func:`value_kind`: ``[1]`` is no number, ``5`` no path), then
     goes through the option's own ``type`` and ``choices``, as on the command line.
     Raises ConfigFileError with a one-line message naming the file and the bad key (or: unreadable, not
@@ -610,10 +634,17 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> d
         raise ConfigFileError(f"config file {p} must hold a mapping of option names to values")
     actions = {a.dest: a for a in parser._actions}
     out = {}
+    spelled: dict[str, Any] = {}  # dest -> the key that set it
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest not in actions or dest in ("help", "config"):
             raise ConfigFileError(f"config file {p}: unknown option {key!r}{_key_hint(str(key), actions)}")
+        if dest in spelled:  # `min-peers: 3` and `min_peers: 2`: one of them was silently lost (fresh user 52)
+            flag = next((o for o in actions[dest].option_strings if o.startswith("--")), dest)
+            raise ConfigFileError(
+                f"config file {p}: {spelled[dest]!r} and {key!r} are the same option ({flag}): keep one"
+            )
+        spelled[dest] = key
         action = actions[dest]
         if isinstance(action, argparse._AppendAction) and not isinstance(value, (list, type(None))):
             value = [value]  # a repeatable flag given once: `bootstrap: host:port` (null: as any flag's null)
@@ -629,8 +660,8 @@ def _key_hint(key: str, actions: dict) -> str:
     bare = key.lstrip("-")
     if bare != key and bare.replace("_", "-") in known:
         return f" (write it without the dashes: {bare})"
-    near = difflib.get_close_matches(bare.replace("_", "-"), known, n=1, cutoff=0.75)
-    return f" (did you mean {near[0]}?)" if near else ""
+    near = closest(bare.replace("_", "-"), known)
+    return f" (did you mean {near}?)" if near else ""
 
 
 def _checked(path: Path, key, action: argparse.Action, value):

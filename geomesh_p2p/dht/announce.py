@@ -427,6 +427,14 @@ class PeerAnnouncer:
         item = found.get(mine)
         return None if item is None else float(item.expiration_time)
 
+    @property
+    def said_leaving(self) -> bool:
+        """Whether the last announcement that returned stored a ``leaving`` record. A node's shutdown announces
+        leaving unless so: a stop's announcement cancelled mid-store set the node's flag and stored nothing, and a
+        peer stopped while it waited alone stayed ``training`` on the status views until its record expired
+        (fresh user 52)."""
+        return self.last is not None and self.last.leaving
+
     def update(self, record: RecordSource) -> None:
         """Use ``record`` from now on and announce it at once (when running)."""
         self._source = record

@@ -418,7 +418,6 @@ class PeerNode:
         await joining.check_swarm(self, self._placeholder_record(), remembered=True)
         await joining.check_identity_unique(self)
         probed = await self.links.probe()
-
         # follows the sync window (issue 25); --window-s auto: its shortest, AUTO_WINDOW_MIN_S, until rounds ran
         ttl_s = record_ttl_s(c.announce_period_s, self.run_cfg.window_s or AUTO_WINDOW_MIN_S)
         self.announcer = PeerAnnouncer(
@@ -621,6 +620,7 @@ class PeerNode:
             traffic=traffic,
             traffic_classes=transport.stats.by_class if transport is not None else dict,  # per class: the DHT apart
             leaving=self._set_leaving,
+            activity_changed=lambda: started(self.announcer).update(self.my_record),  # announced at once
             loop_stall=self.looplag.take_worst if self.looplag is not None else lambda: None,
             feedback=self.feedback,
         )
@@ -744,7 +744,8 @@ class PeerNode:
             return
         # Leaving is announced first (before a checkpoint of seconds), so the others plan the next round without it
         try:
-            if self.announcer is not None and not self._leaving and self.ema is not None and not self.identity_taken:
+            a = self.announcer  # what it stored decides, not the flag: PeerAnnouncer.said_leaving (fresh user 52)
+            if a is not None and not a.said_leaving and self.ema is not None and not self.identity_taken:
                 self._leaving = True
                 events.emit(
                     log,

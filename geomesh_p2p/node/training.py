@@ -96,7 +96,8 @@ def record_state(node: PeerNode) -> dict:
     """The state fields of this peer's record: ``round``, ``weights_digest`` (None while syncing), ``unled_until`` (the
     last round of the marks it holds on itself: ``Penalties.own_unled_until``), ``owner_bars`` (the owner penalties in
     force when it holds them all: ``Penalties.owner_bars``), ``unled_marks`` (its leader marks on the others, likewise:
-    ``Penalties.unled_marks``), ``lead_from`` (``NodeRoundPolicy.lead_from``) and ``last_plan``,
+    ``Penalties.unled_marks``), ``lead_from`` (``NodeRoundPolicy.lead_from``), ``activity``
+    (:attr:`RoundDriver.activity <geomesh_p2p.round.driver.RoundDriver.activity>`) and ``last_plan``,
     the plan of round ``round - 1`` it obtained (:func:`~geomesh_p2p.round.last_plan.record_ref`: peers that did not
     obtain it take it by their voters' references), left out while it holds none or is syncing. A peer that ended
     alone on a state that is not the swarm's (:func:`~geomesh_p2p.node.report.disowned`) names neither: no fork's
@@ -127,6 +128,8 @@ def record_state(node: PeerNode) -> dict:
         "owner_bars": bars,
         "unled_marks": marks,
         "lead_from": gap,
+        # what its round loop does now, for the status views (RoundDriver.activity, fresh user 52)
+        "activity": getattr(getattr(node, "_round_driver", None), "activity", None),
     }
 
 

@@ -70,6 +70,9 @@ LINEAGE_ROUNDS = 4096
 #: expire (8 s) before a follower reads them; a plan naming such a peer costs at most its parts, while
 #: refusing it makes the follower sit the round out.
 RECENT_RECORD_S = 60.0
+#: Longest wait, seconds, at the end of the rounds for a stop's leaving announcement under way (a DHT store: a few
+#: RPC timeouts at worst): cut short, the announcement never reached the others (fresh user 52, below).
+LEAVING_ANNOUNCE_WAIT_S = 15.0
 
 __all__ = [
     "Phase",
@@ -122,6 +125,7 @@ class RoundDriver:
         traffic_classes: Callable[[], dict] = dict,
         history: Optional[list[RoundRecord]] = None,
         leaving: Callable[[bool], None] = lambda _: None,
+        activity_changed: Callable[[], None] = lambda: None,
         loop_stall: Callable[[], Optional[float]] = lambda: None,
         feedback: Optional[PushFeedback] = None,
     ):
@@ -136,6 +140,11 @@ class RoundDriver:
         self.traffic_classes = traffic_classes
         self.history = history if history is not None else []
         self.set_leaving = leaving
+        #: what the round loop does now, as this peer's record announces it (``PeerRecord.activity``: waiting /
+        #: training / sitting out / refusing plans / no plan / syncing; None before its first gather); set by
+        #: :meth:`note_activity`, whose change is announced at once through ``activity_changed``
+        self.activity: Optional[str] = None
+        self._activity_changed = activity_changed
         self.loop_stall = loop_stall
         self.feedback = feedback
         #: monotonic seconds of the loop's last step: a phase entered, a backoff pause (liveness is progress,
@@ -389,6 +398,12 @@ class RoundDriver:
         try:
             await self._rounds()
         finally:
+            if self.stop.is_set() and not watcher.done():
+                # A stop's leaving announcement under way is finished, not cancelled: a peer stopped while it waited
+                # alone leaves its gather at once, and cancelling the store here (the node's shutdown then saw
+                # "leaving" set and announced nothing) left its last record "training" on the others' status views
+                # until it expired (fresh user 52: 98.9 s after the peer exited).
+                await asyncio.wait({watcher}, timeout=LEAVING_ANNOUNCE_WAIT_S)
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             # Eager: speculative steps of a round that will not run stop; the model holds the global weights.
@@ -540,6 +555,7 @@ class RoundDriver:
             return None
         if not agreed:
             return set()
+        self.note_activity("training")
         if not await self.train(ctx):
             return set()
         if not self.cfg.eager:
@@ -575,6 +591,16 @@ class RoundDriver:
                 exchanging.cancel()
                 await asyncio.gather(exchanging, return_exceptions=True)
             raise
+
+    def note_activity(self, activity: str) -> None:
+        """What the round loop does now (:attr:`activity`); a change is announced at once, in the background (fresh
+        user 52: a peer waiting for --min-peers, catching up or refusing every plan was listed ``training``)."""
+        if activity != self.activity:
+            self.activity = activity
+            try:
+                self._activity_changed()
+            except Exception as e:  # advisory (the status views): the next announcement carries it
+                log.debug("announcing the activity %r failed: %r", activity, e)
 
     def mark_leaving(self) -> None:
         """This peer leaves after the round under way (its next announcement says so; the node is told)."""
@@ -615,6 +641,7 @@ class RoundDriver:
     async def resync(self, why: str, target: Optional[tuple[int, str]] = None) -> None:
         """Download the swarm's state (:func:`geomesh_p2p.round.resync.resync`; ``target``: that (round, digest)
         only); a failure is one warning and a pause, or the end of the run when every other peer announced leaving."""
+        self.note_activity("syncing")
         await resync.resync(self, why, target)
 
     async def wait_out(self, ctx: RoundContext) -> None:

@@ -203,6 +203,8 @@ async def gather(drv: RoundDriver, expected: set[str], *, first: bool) -> Option
                 held = now - tie.since < drv.cfg.wait_peers_s
             elif held and tie is None:
                 say_held(drv, recs, now - t0)
+            if (short or held) and not drv.stop.is_set():
+                drv.note_activity("waiting")  # for peers: --min-peers, or its checkpoint's (fresh user 52)
             if not held and (now > until or drv.stop.is_set()):
                 if short and not first and not drv.stop.is_set() and not any(x.peer_id != drv.me for x in recs):
                     # After the first round nobody else is live at all: the swarm is gone (its records

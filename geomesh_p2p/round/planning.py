@@ -426,6 +426,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
     drv._plan_misses = (r, drv.state.digest, misses + 1 if plan is None else 0)
     if plan is None:
         await drop_speculative(drv, "no plan appeared")
+        drv.note_activity("no plan")
         if not drv.stop.is_set():
             log.warning("round %d: no plan appeared; retrying", r)
         return False
@@ -669,6 +670,7 @@ async def wait_out(drv: RoundDriver, ctx: RoundContext, refused: bool = False) -
         reason="refused" if refused else "not_in_plan" if not planned_in else "weights_differ",
     )
     drv.state.syncing, drv.state.round = True, r + 1
+    drv.activity = "refusing plans" if refused else "sitting out"  # announced just below
     drv.policy.planned_out(r, plan)  # e.g. proofs still read: a peer out for rounds must not follow an excluded leader
     await drv.membership.announce()
     # Left out by the leader: re-measure link and device while the round ends (bounded, see the port), and

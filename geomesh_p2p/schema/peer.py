@@ -27,6 +27,8 @@ MAX_RANKS = 64
 MAX_ATTESTED = 64
 #: Longest ``last_plan`` reference: a PeerID (base58, under 64 characters), "/", 64 hex digits. Characters.
 LAST_PLAN_REF_CHARS = 160
+#: Longest ``activity`` a record may state, characters.
+MAX_ACTIVITY_CHARS = 32
 #: Most owner penalties a record may state in ``owner_bars`` (a peer holding more announces none: no vote then).
 MAX_OWNER_BARS = 64
 #: Most leader marks a record may state in ``unled_marks`` (a peer holding more announces none: no vote then).
@@ -170,6 +172,17 @@ class PeerRecord(BaseModel):
         "take the next candidate's turn at once instead of waiting for its plan; left out of the JSON when None",
     )
 
+    activity: Optional[str] = Field(
+        default=None,
+        max_length=MAX_ACTIVITY_CHARS,
+        description="what its round loop does now, as the status views show it (RoundDriver.activity, 0.18.2, session "
+        "52): 'waiting' (for peers: fewer in step than --min-peers, or held for its checkpoint's peers), 'training' (in "
+        "the round's plan), 'sitting out' (not in the plan: waits for the round's end, then syncs), 'refusing plans' "
+        "(refuses the plan others may follow: sits the round out), 'no plan' (no plan it accepts appeared: retrying), "
+        "'syncing' (catching up or downloading the swarm's state); advisory, read by nobody's round; a reader shows a "
+        "value it does not know as it is; left out of the JSON when None",
+    )
+
     @field_validator("owner_bars")
     @classmethod
     def _bounded_owner_bars(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
@@ -236,7 +249,7 @@ class PeerRecord(BaseModel):
 
     def to_bytes(self) -> bytes:
         """JSON bytes. ``sync_progress``, ``ranks``, ``rank_memory_bytes``, ``last_plan``, ``unled_until``,
-        ``owner_bars``, ``unled_marks`` and ``lead_from`` are written
+        ``owner_bars``, ``unled_marks``, ``lead_from`` and ``activity`` are written
         only when set (not their defaults), so a record without them is byte for byte what a peer of the previous
         version wrote (and such a peer, whose schema forbids unknown fields, still reads every record but a syncing or
         multi-rank peer's)."""
@@ -249,6 +262,7 @@ class PeerRecord(BaseModel):
             ("owner_bars", None),
             ("unled_marks", None),
             ("lead_from", None),
+            ("activity", None),
         )
         absent = {k for k, v in defaults if getattr(self, k) == v}
         return self.model_dump_json(exclude=absent or None).encode()

@@ -205,31 +205,54 @@ def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
     return float(statistics.median(known)) if known else None
 
 
+def _unstored_for(rec: PeerRecord, now: float, round_s: float) -> bool:
+    """Whether ``rec`` was not stored again for ``LEFT_AFTER_ROUNDS`` rounds of ``round_s`` seconds (at least
+    ``MIN_ROUND_S``) plus ``LEFT_SLACK_S``: a running peer, a waiting or leaving one included, stores its record at
+    least every 1.3 rounds (geomesh_p2p.dht.announce.RECORD_REFRESHES) and at once when what it does changes."""
+    return now - rec.timestamp > LEFT_AFTER_ROUNDS * max(round_s, MIN_ROUND_S) + LEFT_SLACK_S
+
+
 def _gone(rec: PeerRecord, now: float, current: Optional[int], round_s: float) -> bool:
     """Whether the process behind a leaving record has gone: the swarm (its peers that are not leaving) is two
     rounds past the round the record names, or the record was not stored again for ``LEFT_AFTER_ROUNDS`` rounds
-    of ``round_s`` seconds plus ``LEFT_SLACK_S`` (a running peer, leaving ones included, stores its record at
-    least every 1.3 rounds: geomesh_p2p.dht.announce.RECORD_REFRESHES, and lingers after its last round only
-    until that round's exchange deadline). The record itself lives on until it expires, about four rounds."""
+    of ``round_s`` seconds plus ``LEFT_SLACK_S`` (:func:`_unstored_for`; a leaving peer lingers after its last round
+    only until that round's exchange deadline). The record itself lives on until it expires, about four rounds."""
     if current is not None and rec.round + 1 < current:
         return True
-    return now - rec.timestamp > LEFT_AFTER_ROUNDS * max(round_s, MIN_ROUND_S) + LEFT_SLACK_S
+    return _unstored_for(rec, now, round_s)
+
+
+#: States a record's ``activity`` names that outrank what its round and digest say (a peer refusing the plans or
+#: planned out announces no digest while it waits for the round's end: it is not downloading yet).
+_SITTING_OUT = ("sitting out", "refusing plans")
 
 
 def _state(
     rec: PeerRecord, plan_members: Optional[set], current: Optional[int], now: float = 0.0, round_s: float = 0.0
 ) -> str:
-    """left (a leaving record whose peer has gone: :func:`_gone`) / leaving / syncing (downloading the swarm's
-    state) / behind (more than one round behind the swarm's round) / client-only / waiting (not in the current
-    round's plan) / training. ``now``: swarm time; ``round_s``: the swarm's recent round length, seconds."""
+    """left (a leaving record whose peer has gone: :func:`_gone`) / leaving / silent (a record not stored again for
+    two rounds and 10 s: its peer was killed, hangs, or lost the network; the record lives on until it expires) /
+    what its ``activity`` says it does (sitting out / refusing plans) / syncing (no digest: downloading the swarm's
+    state) / behind (more than one round behind the swarm's round) / client-only / what its ``activity`` says
+    (waiting / training / no plan / syncing, or a newer release's word, as announced) / for a record without one
+    (an older release): waiting (not in the current round's plan) / training. ``now``: swarm time; ``round_s``: the
+    swarm's recent round length, seconds (fresh user 52: a waiting, a catching-up and a killed peer read
+    ``training``)."""
     if rec.leaving:
         return "left" if _gone(rec, now, current, round_s) else "leaving"
+    if _unstored_for(rec, now, round_s):
+        return "silent"
+    activity = clean_text(rec.activity, 24) if rec.activity else None
+    if activity in _SITTING_OUT:
+        return activity
     if rec.weights_digest is None:
         return "syncing"
     if current is not None and rec.round < current - 1:
         return "behind"
     if rec.client_only:
         return "client-only"
+    if activity:
+        return activity
     if plan_members is not None and rec.peer_id not in plan_members:
         return "waiting"
     return "training"
@@ -443,7 +466,7 @@ class SwarmWatcher:
                     **last,
                 }
             )
-        rows.sort(key=lambda x: (x["state"] in ("leaving", "left"), x["peer_id"]))
+        rows.sort(key=lambda x: (x["state"] in ("leaving", "left", "silent"), x["peer_id"]))
         digests = None
         if current is not None:
             majority, agree, total = digest_majority(peers, current)

@@ -57,8 +57,10 @@ def test_a_leaving_record_turns_left_once_not_stored_for_two_rounds():
     # the swarm two rounds past the round the record names: gone, however fresh the record
     assert _state(_rec("p", round=5, age_s=0.0, leaving=True), None, 6, NOW, 20.0) == "leaving"
     assert _state(_rec("p", round=5, age_s=0.0, leaving=True), None, 7, NOW, 20.0) == "left"
-    # a peer that is not leaving is never "left", however old its record (it expires on its own)
-    assert _state(_rec("p", round=5, age_s=500.0), None, 5, NOW, 0.0) == "training"
+    # a peer that is not leaving is never "left", however old its record (it expires on its own): "silent" past the
+    # same 22 s without a store (fresh user 52)
+    assert _state(_rec("p", round=5, age_s=limit - 1), None, 5, NOW, 0.0) == "training"
+    assert _state(_rec("p", round=5, age_s=500.0), None, 5, NOW, 0.0) == "silent"
 
 
 def test_the_view_uses_the_rounds_it_read_for_the_round_length():
