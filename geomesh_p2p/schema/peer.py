@@ -175,7 +175,7 @@ class PeerRecord(BaseModel):
     activity: Optional[str] = Field(
         default=None,
         max_length=MAX_ACTIVITY_CHARS,
-        description="what its round loop does now, as the status views show it (RoundDriver.activity, 0.18.2, session "
+        description="what its round loop does now, as the status views show it (RoundDriver.activity, 0.19.0, session "
         "52): 'waiting' (for peers: fewer in step than --min-peers, or held for its checkpoint's peers), 'training' (in "
         "the round's plan), 'sitting out' (not in the plan: waits for the round's end, then syncs), 'refusing plans' "
         "(refuses the plan others may follow: sits the round out), 'no plan' (no plan it accepts appeared: retrying), "
