@@ -141,12 +141,15 @@ def leader_order(run_id: str, round: int, peer_ids: Iterable[str]) -> list[str]:
     return sorted(set(peer_ids), key=lambda p: leader_rank(run_id, round, p))
 
 
-def choose_plan(run_id: str, round: int, plans: Sequence[RoundPlan]) -> Optional[RoundPlan]:
-    """The plan every peer follows for ``round``: the one whose leader ranks lowest. None if no plan."""
+def choose_plan(
+    run_id: str, round: int, plans: Sequence[RoundPlan], tiers: Mapping[str, int] = {}
+) -> Optional[RoundPlan]:
+    """The plan every peer follows for ``round``: the one whose leader ranks lowest (``tiers``: leader -> tier, 0
+    when absent, compared before the rank: :func:`obtain_plan`). None if no plan."""
     valid = [p for p in plans if p.round == round and p.run_id == run_id]
     if not valid:
         return None
-    return min(valid, key=lambda p: leader_rank(run_id, round, p.leader))
+    return min(valid, key=lambda p: (tiers.get(p.leader, 0), leader_rank(run_id, round, p.leader)))
 
 
 def digest_majority(
@@ -413,6 +416,7 @@ async def obtain_plan(
     authorities: Sequence[str] = (),
     leaders: Optional[Callable[[], Collection[str]]] = None,
     gapped: Collection[str] = (),
+    tiers: Mapping[str, int] = {},
 ) -> Optional[RoundPlan]:
     """Agree on the plan of ``round``: publish one if this peer's turn as leader comes, follow the best.
 
@@ -460,16 +464,29 @@ async def obtain_plan(
         nothing it could not by staying silent and publishing late: its plan, published any time before the
         next candidate's has started, still ranks better and is followed (:func:`choose_plan` after the settle);
         waiting less only makes more candidates publish, which forks nothing (see the module's docstring).
+
+        ``tiers``: leader -> tier (0 when absent), compared before the rendezvous rank wherever leaders are ordered
+        (the turns, the last resorts' stagger, which plan is followed, which one ranks better): the level of round
+        ``r - 1``'s plan a leader first appears in (``round.planning.plan_tiers``), the same in every view holding that
+        plan. Why (red team 52b): a peer one attempt with no plan further accepts the plans of one more level (the
+        accused, then round ``r - 1``'s leader), so by rank alone it followed a better-ranked plan of that level
+        while a peer one attempt behind, refusing it as content, followed the other one (the rogue last leader
+        published once the accused's plan was out: two states). With the tiers a plan of an earlier level wins in
+        every view that accepts it.
     """
     me = str(store.identity.peer_id)
     member_ids = {m.peer_id for m in members}
     pool = [m.peer_id for m in members] if candidates is None else list(candidates)
-    order = leader_order(store.run_id, round, pool)
+
+    def rank(leader: str) -> tuple[int, bytes]:
+        return tiers.get(leader, 0), leader_rank(store.run_id, round, leader)
+
+    order = sorted(set(pool), key=rank)
     n_regular = len(order)
     # Last resorts are ranked among themselves over the whole list, candidates of this view included: the
     # views differ (rs7: each peer's only candidate was the other), and each last resort must get the same
     # rank in every view for the stagger to hold.
-    lr_order = leader_order(store.run_id, round, list(last_resort))
+    lr_order = sorted(set(last_resort), key=rank)
     order += [p for p in lr_order if p not in order]
     my_turn = order.index(me) if me in order else None
     stagger_s = settle_s if stagger_s is None else stagger_s
@@ -520,9 +537,6 @@ async def obtain_plan(
     def settle_of(plan: RoundPlan) -> float:
         return settle_for(plan, settle_s)
 
-    def rank(leader: str) -> bytes:
-        return leader_rank(store.run_id, round, leader)
-
     def refused_over(best: Optional[RoundPlan]) -> Optional[tuple[RoundPlan, str]]:
         """The best-ranked refused plan of a candidate that ranks better than ``best`` (any, without one): a
         peer accepting both follows it, so following ``best`` (or a plan of this peer's) would split the round."""
@@ -553,7 +567,7 @@ async def obtain_plan(
         if now_seen != seen:
             seen = now_seen
             backoff.reset()  # something changed: read again soon
-        best = choose_plan(store.run_id, round, plans)
+        best = choose_plan(store.run_id, round, plans, tiers)
         my_turn_now = my_turn is not None and not published and elapsed >= delay(my_turn)
         if my_turn_now and my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me} - absent:
             # a last resort publishes only where nobody leads at all; a plan it refuses from a member means a
@@ -581,13 +595,7 @@ async def obtain_plan(
         if my_turn_now and stalled_s >= STALL_S:
             # The view this take-over would plan from is as old as the stall: read the swarm again first.
             raise PlanStalled(round, stalled_s)
-        if my_turn_now and (
-            best is None
-            or (
-                leader_rank(store.run_id, round, me) < leader_rank(store.run_id, round, best.leader)
-                and swarm_time() < best.created_at
-            )
-        ):
+        if my_turn_now and (best is None or (rank(me) < rank(best.leader) and swarm_time() < best.created_at)):
             waited = my_turn - (skipped[my_turn] if my_turn < n_regular else 0) if my_turn is not None else 0
             if my_turn is not None and waited > 0 and best is None:
                 events.emit(
@@ -628,7 +636,9 @@ async def obtain_plan(
                 continue
             # Read again: a plan stored while this peer planned (the next candidate's, its turn brought forward by an
             # announced gap: red team 51d) may have started, its followers settled on it.
-            best = choose_plan(store.run_id, round, await store.read(round, check_fn, signed, **readable())) or best
+            best = (
+                choose_plan(store.run_id, round, await store.read(round, check_fn, signed, **readable()), tiers) or best
+            )
             if my_turn is not None and my_turn >= n_regular and (signed & member_ids) - {me} - absent:
                 continue  # a last resort that now reads a member's plan: it waits, as if read before planning (above)
             if (
@@ -656,9 +666,9 @@ async def obtain_plan(
                 step_due = time.monotonic() - t0 + wait
                 await asyncio.sleep(wait)  # let a better-ranked plan published meanwhile become visible
                 plans = await store.read(round, check_fn, **readable()) or plans
-                if refused_over(choose_plan(store.run_id, round, plans)) is not None:
+                if refused_over(choose_plan(store.run_id, round, plans, tiers)) is not None:
                     continue  # a better-ranked plan this peer refuses appeared: the loop decides (above)
-            chosen = choose_plan(store.run_id, round, plans)
+            chosen = choose_plan(store.run_id, round, plans, tiers)
             if len(plans) > 1 and chosen is not None:
                 log.info(
                     "round %d: %d plans seen, following leader %s (lowest rank)", round, len(plans), chosen.leader[:10]

@@ -98,6 +98,7 @@ class DhtPlanAgreement:
         authorities=(),
         leaders=None,
         gapped=(),
+        tiers=None,
     ):
         return await obtain_plan(
             self.store,
@@ -114,6 +115,7 @@ class DhtPlanAgreement:
             authorities=authorities,
             leaders=leaders,
             gapped=gapped,
+            tiers=tiers or {},
         )
 
     async def plan_of(self, round: int, leader: str, sha256: str) -> tuple[Optional[RoundPlan], str]:

@@ -138,6 +138,24 @@ def last_round_leaders(
     return None
 
 
+def plan_tiers(seen: Optional[RoundPlan], r: int) -> dict[str, int]:
+    """PeerID -> the first level of :func:`next_leaders` (0, 1, 2) of round ``r - 1``'s plan ``seen`` that holds it,
+    for its participants; empty when ``seen`` is of another round. The same in every view that holds ``seen``:
+    ``obtain_plan`` compares it before the rank (its ``tiers``).
+
+    Why (red team 52b): a peer one attempt with no plan further accepts one more level (:func:`last_round_leaders`'s
+    ``missed``: the accused from one, round ``r - 1``'s leader from ``LEADER_RESORT_MISSES``). By rank alone it
+    followed a better-ranked plan of that level where a peer one attempt behind refuses that plan as content and
+    followed another one it accepts too: the rogue leader of round ``r - 1`` published once the accused's
+    last-resort plan was out and, ranked first, took the peers at their third attempt while the accused and the
+    peers at their second trained on its plan (two states). An earlier level first: every peer that accepts both
+    follows the one the peer behind follows."""
+    if seen is None or seen.round != r - 1:
+        return {}
+    levels = next_leaders(seen)
+    return {p: min(i for i, took in enumerate(levels) if p in took) for p in levels[-1]}
+
+
 def lead_problem(plan: RoundPlan, took: Optional[frozenset]) -> Optional[ContentRefusal]:
     """Why a plan's leader may not lead (:func:`last_round_leaders`: it had no part in the last round's plan, led
     it while another candidate took part, or was named accused in it while another candidate was not), as
@@ -344,6 +362,8 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 ctx.early = asyncio.ensure_future(inner_steps(drv, ctx, p, ctx.early_abort))
 
         resort = [] if doubt is not None else last_resort(drv, r, members, candidates, may_lead)
+        # a plan of an earlier level of round r - 1's plan wins in every view that accepts it (red team 52b)
+        tiers = plan_tiers(drv._plan_seen, r)
         gapped = announced_gaps(live, candidates, r, drv.me)
         try:
             plan = await drv.plans.agree(
@@ -363,6 +383,7 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
                 **({"last_resort": resort} if resort else {}),
                 **({"authorities": authorities} if authorities else {}),
                 **({"gapped": gapped} if gapped else {}),
+                tiers=tiers,
             )
         except PlanRefused as e:
             # Others may follow a plan this peer refuses: following another one would fork the lineage. Sit

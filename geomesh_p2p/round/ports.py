@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    runtime_checkable,
+)
 
 import torch
 
@@ -109,6 +120,7 @@ class PlanAgreement(Protocol):
         authorities: Sequence[str] = (),
         leaders: Optional[Callable[[], Collection[str]]] = None,
         gapped: Collection[str] = (),
+        tiers: Optional[Mapping[str, int]] = None,
     ) -> Optional[RoundPlan]:
         """The plan every peer follows for ``round`` (publishing one when this peer's turn comes), or None.
         ``provisional(plan)``: called with the plan it will most likely return, before a settle wait
@@ -121,7 +133,8 @@ class PlanAgreement(Protocol):
         the PeerIDs whose stored plans may be read at all (the others are left unread: any identity can store
         one, and a chunked one costs a lookup per chunk). ``gapped``: candidates whose records announce they lead
         nothing this round (``PeerRecord.lead_from``): the turns after theirs come sooner, nothing else changes
-        (passed only when non-empty)."""
+        (passed only when non-empty). ``tiers``: leader -> tier compared before the rank (round ``r - 1``'s plan's
+        levels, ``round.planning.plan_tiers``; empty: the rank alone)."""
 
     def publish_background(self, plan: RoundPlan) -> None:
         """Store ``plan`` without waiting (a lone peer's own plan, for the status page); never raises."""
