@@ -265,12 +265,14 @@ async def agree(drv: RoundDriver, ctx: RoundContext) -> bool:
         drv._sat_out_taken = None
         members, candidates = drv.policy.leader_candidates(ctx.members, live)
     judged = list(candidates)  # in doubt, each plan named is judged over these, as took would be over it
-    took = last_round_leaders(drv._plan_seen, r, candidates)
+    # who may lead is tested over the candidates that lead at all: a gapped one counts nowhere (fresh user 52)
+    gaps = gaps_of(drv, live, candidates, r)
+    took = ungapped_leaders(drv._plan_seen, r, candidates, gaps)
     # After an attempt at this round and state with no plan at all, the accused may lead (a silent candidate held
     # the first level, red team 47): as last resorts only (the candidates, whose turns come first, are kept), so
     # a plan of the first level, where one appears, is the one every peer follows.
     missed = drv._plan_misses[:2] == (r, drv.state.digest) and drv._plan_misses[2] >= 1
-    may_lead = last_round_leaders(drv._plan_seen, r, candidates, missed=True) if missed else took
+    may_lead = ungapped_leaders(drv._plan_seen, r, candidates, gaps, missed=True) if missed else took
     if took is not None:
         candidates = [c for c in candidates if c in took]
     if doubt is not None:  # a plan of this peer's could be one the others refuse as content: it leads nothing
@@ -434,6 +436,43 @@ def announced_gaps(live: dict, candidates: Sequence[str], r: int, me: Optional[s
         for c in candidates
         if c != me and type(getattr(live.get(c), "lead_from", None)) is int and live[c].lead_from > r
     ]
+
+
+def gaps_of(drv: RoundDriver, live: dict, candidates: Sequence[str], r: int) -> set[str]:
+    """The ``candidates`` that lead nothing in round ``r`` by a gap announced in their records (:func:`announced_gaps`),
+    and this peer when its own record announced one (``policy.announced_lead_from``, kept to:
+    ``NodeRoundPolicy.leader_candidates``). PeerIDs."""
+    own = getattr(getattr(drv, "policy", None), "announced_lead_from", None)
+    mine = {drv.me} if type(own) is int and own > r else set()
+    return set(announced_gaps(live, candidates, r, drv.me)) | mine
+
+
+def ungapped_leaders(
+    seen: Optional[RoundPlan], r: int, candidates: Sequence[str], gaps: set[str], missed: bool = False
+) -> Optional[frozenset]:
+    """:func:`last_round_leaders` over the ``candidates`` less ``gaps`` (they announced they lead nothing in round ``r``:
+    :func:`gaps_of`); where every candidate is gapped, the last level (every participant of ``seen``: round
+    ``r - 1``'s leader may lead again, no other candidate can). Without gaps, :func:`last_round_leaders` as it is.
+
+    Why (fresh user 52): p1 led round 11; p2 (resumed) and later p3 (resumed) and p4 (joined) left themselves out for
+    the marks they lacked (``Penalties.lead_gap``). p1 counted them as candidates, so no self-succession barred it,
+    while each gapped peer, not counting itself, let p1 lead and deferred to it (or to the other gapped ones): nobody
+    published in a whole attempt and a gapped peer led as the last resort, 4-8 s later, every other round 12-26.
+    A gapped peer keeps to the gap its record announced (``NodeRoundPolicy.announced_lead_from``), so it is no
+    candidate in any view, its own included (which is why this peer's own announced gap counts here, also where it
+    is its own only candidate); counted over the rest, every view that read the gap takes the same level, and round
+    r - 1's leader leads at its turn (the gapped ones' turns cost nothing: obtain_plan's ``gapped``). The leader order
+    and the turns are unchanged. A view that did not read a gap (a
+    record rewritten between reads: a rogue's; an honest peer announces one ``lead_from`` a round,
+    ``node.training.record_state``) takes a stricter level and refuses round r - 1's leader's plan as content: as for
+    the marks announced on themselves (``Penalties.announced_unled``) it may follow another plan that round, and the
+    digest check re-syncs it (docs/round.md, "Not closed")."""
+    pool = [c for c in candidates if c not in gaps]
+    if pool or not candidates:
+        return last_round_leaders(seen, r, pool, missed)
+    if seen is None or seen.round != r - 1:
+        return None
+    return next_leaders(seen)[-1]
 
 
 def left_alone_in_plan(drv: RoundDriver, ctx: RoundContext, plan: RoundPlan, leaving: dict) -> bool:
