@@ -105,3 +105,23 @@ def test_every_view_lets_the_last_leader_lead_where_every_other_candidate_announ
         assert h not in (ungapped_leaders(plan, 20, c, gapped - {a}) or set()), p
     # no gap read at all: last_round_leaders as it is
     assert ungapped_leaders(plan, 20, ids, set()) == last_round_leaders(plan, 20, ids)
+
+
+def test_a_record_announces_one_gap_a_round():
+    """``node.training.record_state``: a gap announced in round R's record stays in the records re-stored in round R
+    after it closed (the owner vote), so every read of round R takes the same level; round R + 1's record names none."""
+    from types import SimpleNamespace
+
+    from geomesh_p2p.node.training import record_state
+    from tests.integration.test_lead_gap51 import _swarm
+    from tests.integration.test_late_peer import R, _node
+
+    _, recs = _swarm()
+    policy = _node(recs, recs[0].peer_id, marks_from=0)  # holds every mark: no gap of its own
+    node = SimpleNamespace(resync=SimpleNamespace(syncing=False), round=R, digest="d", penalties=policy.penalties)
+    node.policy = policy
+    assert record_state(node)["lead_from"] is None
+    policy.announced_lead_from = R + 3  # round R's first record announced a gap, closed since
+    assert record_state(node)["lead_from"] == R + 3 and policy.announced_lead_from == R + 3
+    policy.announced_round = R - 1  # announced in an earlier round's record: not kept
+    assert record_state(node)["lead_from"] is None and policy.announced_lead_from is None
