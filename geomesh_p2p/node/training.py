@@ -119,7 +119,13 @@ def record_state(node: PeerNode) -> dict:
         else None
     )
     if policy is not None:
+        kept = getattr(policy, "announced_lead_from", None)
+        if getattr(policy, "announced_round", None) == node.round and type(kept) is int and kept > node.round:
+            # one gap a round: the others test who may lead over it (round.planning.ungapped_leaders), and a record
+            # re-stored without it (the owner vote closed it meanwhile) would give two reads two levels
+            gap = kept if gap is None else max(gap, kept)
         policy.announced_lead_from = gap  # what it announces it keeps to (NodeRoundPolicy.leader_candidates)
+        policy.announced_round = node.round
     return {
         "round": node.round,
         "weights_digest": None if unsure else node.digest,

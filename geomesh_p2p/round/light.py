@@ -44,7 +44,8 @@ from geomesh_p2p.plan.schema import RoundPlan
 from geomesh_p2p.round.context import Phase, RoundContext
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.last_plan import remember
-from geomesh_p2p.round.planning import discard_early, may_start_early, next_leaders, wait_out
+from geomesh_p2p.round.levels import next_leaders
+from geomesh_p2p.round.planning import discard_early, may_start_early, wait_out
 from geomesh_p2p.round.steps import inner_steps
 from geomesh_p2p.schema.shards import record_shard
 from geomesh_p2p.telemetry import events

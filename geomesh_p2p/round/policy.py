@@ -92,6 +92,7 @@ class NodeRoundPolicy:
         #: the ``lead_from`` this peer's record last announced (``node.training.record_state``): kept to, see
         #: :meth:`leader_candidates`
         self.announced_lead_from: Optional[int] = None
+        self.announced_round: Optional[int] = None  # the round of the record that announced it
         if accountable is not None:
             accountable.undo_on = self.undo_on
 
