@@ -366,6 +366,8 @@ class PeerAnnouncer:
         self._source = record
         self.announced = 0
         self.last: Optional[PeerRecord] = None
+        #: whether the store of :attr:`last` was accepted by at least one node (``announce_once``'s answer)
+        self.last_ok = False
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         self._clock = clock
@@ -429,11 +431,11 @@ class PeerAnnouncer:
 
     @property
     def said_leaving(self) -> bool:
-        """Whether the last announcement that returned stored a ``leaving`` record. A node's shutdown announces
-        leaving unless so: a stop's announcement cancelled mid-store set the node's flag and stored nothing, and a
-        peer stopped while it waited alone stayed ``training`` on the status views until its record expired
-        (fresh user 52)."""
-        return self.last is not None and self.last.leaving
+        """Whether the last announcement that returned stored a ``leaving`` record (at least one node accepted it).
+        A node's shutdown announces leaving unless so: a stop's announcement cancelled mid-store set the node's flag
+        and stored nothing, and a peer stopped while it waited alone stayed ``training`` on the status views until its
+        record expired (fresh user 52); one that no node accepted is no better (red team 52c: it read True)."""
+        return self.last is not None and self.last.leaving and self.last_ok
 
     def update(self, record: RecordSource) -> None:
         """Use ``record`` from now on and announce it at once (when running)."""
@@ -493,7 +495,7 @@ class PeerAnnouncer:
                 await self.node.store(self.mirror_key, data, self.expires_at, subkey=mine, owner=self.identity)
             except Exception as e:
                 log.debug("mirroring this peer's record under %s failed: %r", self.mirror_key, e)
-        self.last = rec
+        self.last, self.last_ok = rec, bool(ok)
         self.announced += 1
         return ok
 

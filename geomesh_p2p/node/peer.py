@@ -744,8 +744,7 @@ class PeerNode:
             return
         # Leaving is announced first (before a checkpoint of seconds), so the others plan the next round without it
         try:
-            a = self.announcer  # what it stored decides, not the flag: PeerAnnouncer.said_leaving (fresh user 52)
-            if a is not None and not a.said_leaving and self.ema is not None and not self.identity_taken:
+            if report.leaving_unsaid(self) and self.ema is not None and not self.identity_taken:
                 self._leaving = True
                 events.emit(
                     log,
@@ -756,8 +755,8 @@ class PeerNode:
                     round=self.round,
                     reason="shutdown",
                 )
-                await self.announce()
-        except Exception as e:  # the DHT may be gone already; the record expires on its own
+                await asyncio.wait_for(self.announce(), report.LEAVING_ANNOUNCE_WAIT_S)
+        except Exception as e:  # the DHT may be gone already (a timeout included); the record expires on its own
             log.warning("could not announce that this peer leaves: %s", e)
         await self.checkpoints.final_checkpoint()
         if self.cfg.summary_json:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Collection, Optional
 
 
 from geomesh_p2p.net.swarm_time import swarm_time
+from geomesh_p2p.round.driver import LEAVING_ANNOUNCE_WAIT_S  # the shutdown bound (peer.py)
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.telemetry.looplag import gc_clock
 from geomesh_p2p.telemetry.metrics import json_safe
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("geomesh_p2p.node.peer")
 
 __all__ = [
+    "LEAVING_ANNOUNCE_WAIT_S",
     "EXIT_NOT_SYNCED",
     "FINAL_STATE_LINGER_S",
     "catching_up",
@@ -314,3 +316,13 @@ async def serve_final_state(
             len(waiting),
         )
     return waiting
+
+
+def leaving_unsaid(node: PeerNode) -> bool:
+    """Whether ``node``'s shutdown must announce that it leaves (its store bounded by ``LEAVING_ANNOUNCE_WAIT_S``):
+    what its announcer stored decides, not the node's flag (``PeerAnnouncer.said_leaving``, fresh user 52), unless
+    the end of its rounds already waited ``LEAVING_ANNOUNCE_WAIT_S`` for a stop's leaving store the DHT never took
+    (``RoundDriver.leaving_wait_expired``; red team 52c: a Ctrl-C with the DHT gone waited that long, then for a second
+    store without a bound here)."""
+    a, drv = node.announcer, node._round_driver
+    return a is not None and not a.said_leaving and not (drv is not None and drv.leaving_wait_expired)

@@ -144,6 +144,9 @@ class RoundDriver:
         #: training / sitting out / refusing plans / no plan / syncing; None before its first gather); set by
         #: :meth:`note_activity`, whose change is announced at once through ``activity_changed``
         self.activity: Optional[str] = None
+        #: whether the end of the rounds waited LEAVING_ANNOUNCE_WAIT_S for a stop's leaving announcement in vain
+        #: (read by the node's shutdown: it then announces nothing more)
+        self.leaving_wait_expired = False
         self._activity_changed = activity_changed
         self.loop_stall = loop_stall
         self.feedback = feedback
@@ -404,6 +407,10 @@ class RoundDriver:
                 # "leaving" set and announced nothing) left its last record "training" on the others' status views
                 # until it expired (fresh user 52: 98.9 s after the peer exited).
                 await asyncio.wait({watcher}, timeout=LEAVING_ANNOUNCE_WAIT_S)
+                # still under way: the DHT took no store in that long (gone, or unreachable); the node's shutdown
+                # does not wait as long again for its own leaving announcement (red team 52c: a Ctrl-C with the DHT
+                # gone waited 15 s here, then the shutdown's store without a bound)
+                self.leaving_wait_expired = not watcher.done()
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             # Eager: speculative steps of a round that will not run stop; the model holds the global weights.
