@@ -228,7 +228,11 @@ async def test_a_peer_sitting_out_takes_on_marks_only_when_the_round_it_sat_out_
             )
         with events.capture("planned_out") as out:
             await _run_all(peers, rounds=2)
-        assert [(e["peer"], e["round"], e["reason"]) for e in out] == [(lagging.me, 0, "refused")]
+        # round 0's: the lagging peer's refusal alone. Round 1 may plan out a peer whose push the 0.5 s exchange deadline
+        # missed under load (CI of session 52: another peer "not_in_plan" in round 1), which takes no mark on itself
+        # (it was not named); only a refusal names the refuser, so no other peer refused anything
+        assert [(e["peer"], e["round"], e["reason"]) for e in out if e["round"] == 0] == [(lagging.me, 0, "refused")]
+        assert [(e["peer"], e["round"]) for e in out if e["reason"] == "refused"] == [(lagging.me, 0)]
         assert getattr(lagging, "marked_sat_out", []) == ([] if nothing else [0])
         assert all(not hasattr(p, "marked_sat_out") for p in peers if p is not lagging)
 
