@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from geomesh_p2p.schema.compat import WIRE_MODEL
 from geomesh_p2p.util.untrusted import non_finite
@@ -183,27 +183,18 @@ class PeerRecord(BaseModel):
         "value it does not know as it is; left out of the JSON when None",
     )
 
-    @field_validator("owner_bars")
+    @field_validator("owner_bars", "unled_marks")
     @classmethod
-    def _bounded_owner_bars(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+    def _bounded_round_map(cls, v: Optional[dict[str, int]], info: ValidationInfo) -> Optional[dict[str, int]]:
+        """``owner_bars`` and ``unled_marks``: PeerID -> round maps of at most :data:`MAX_OWNER_BARS` /
+        :data:`MAX_UNLED_MARKS` entries, names of 1..64 characters, rounds in [0, 2**40]."""
+        limit = MAX_OWNER_BARS if info.field_name == "owner_bars" else MAX_UNLED_MARKS
         if v is not None and (
-            len(v) > MAX_OWNER_BARS
+            len(v) > limit
             or any(not 1 <= len(k) <= 64 or type(u) is not int or not 0 <= u <= 1 << 40 for k, u in v.items())
         ):
             raise ValueError(
-                f"owner_bars: at most {MAX_OWNER_BARS} entries, names of 1..64 characters, rounds in [0, 2**40]"
-            )
-        return v
-
-    @field_validator("unled_marks")
-    @classmethod
-    def _bounded_unled_marks(cls, v: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
-        if v is not None and (
-            len(v) > MAX_UNLED_MARKS
-            or any(not 1 <= len(k) <= 64 or type(u) is not int or not 0 <= u <= 1 << 40 for k, u in v.items())
-        ):
-            raise ValueError(
-                f"unled_marks: at most {MAX_UNLED_MARKS} entries, names of 1..64 characters, rounds in [0, 2**40]"
+                f"{info.field_name}: at most {limit} entries, names of 1..64 characters, rounds in [0, 2**40]"
             )
         return v
 

@@ -47,12 +47,9 @@ def _ledger(ids, rounds=46):
     return ledger
 
 
-async def test_a_choice_no_re_sync_followed_does_not_pin_the_catch_up_past_the_swarms_majority(monkeypatch):
-    """A 1-1-1 tie: me (46, a), honest B (46, b), rogue R with standing at a made-up (47, f). ``rejoin_state`` picks
-    R's state (the later round wins the tie); the gather does not re-sync to it (tried once already: R did not
-    serve it). Then B and C train round 46 and announce (47, g): a standing majority. The catch-up of a peer
-    behind (no target) downloads the majority's (47, g). Before the fix: (47, f), R's state (the pin held since
-    the vote's round was not past the pin's)."""
+def _rogue_wins_a_1_1_1(monkeypatch):
+    """me (46, a), honest B (46, b), rogue R with standing at a made-up (47, f), C (no record yet): ``rejoin_state``
+    picks R's state (the later round wins the tie). Returns (me, b, c, recs, node, downloads)."""
     me, b, c, rogue = _pid(), _pid(), _pid(), _pid()
     recs = [
         _rec(b, round=46, digest="b" * 16, port=7001, attests={me: 32}),
@@ -61,6 +58,16 @@ async def test_a_choice_no_re_sync_followed_does_not_pin_the_catch_up_past_the_s
     node, downloads = _node(me, _ledger((me, b, c, rogue)), recs, monkeypatch, round=46, digest="a" * 16)
     _whole(monkeypatch)
     assert node.rejoin_state(recs) == (47, "f" * 16)
+    return me, b, c, recs, node, downloads
+
+
+async def test_a_choice_no_re_sync_followed_does_not_pin_the_catch_up_past_the_swarms_majority(monkeypatch):
+    """A 1-1-1 tie: me (46, a), honest B (46, b), rogue R with standing at a made-up (47, f). ``rejoin_state`` picks
+    R's state (the later round wins the tie); the gather does not re-sync to it (tried once already: R did not
+    serve it). Then B and C train round 46 and announce (47, g): a standing majority. The catch-up of a peer
+    behind (no target) downloads the majority's (47, g). Before the fix: (47, f), R's state (the pin held since
+    the vote's round was not past the pin's)."""
+    me, b, c, recs, node, downloads = _rogue_wins_a_1_1_1(monkeypatch)
     recs[0] = _rec(b, round=47, digest="0" * 15 + "g", port=7001, attests={me: 32})
     recs.append(_rec(c, round=47, digest="0" * 15 + "g", port=7002, attests={me: 32}))
     assert node.swarm_round(recs) == 47  # behind: the driver re-syncs with no target
@@ -74,14 +81,7 @@ async def test_a_stale_choice_whose_holder_went_quiet_does_not_refuse_the_majori
     serves (47, f): before the fix the catch-up asked the donors of the choice (R) for (47, f) and adopted it over
     the majority's (47, g) that B and C serve (had R stopped serving, it was refused: "served by nobody"); now it
     downloads (47, g)."""
-    me, b, c, rogue = _pid(), _pid(), _pid(), _pid()
-    recs = [
-        _rec(b, round=46, digest="b" * 16, port=7001, attests={me: 32}),
-        _rec(rogue, round=47, digest="f" * 16, port=7003, attests={me: 32}),
-    ]
-    node, downloads = _node(me, _ledger((me, b, c, rogue)), recs, monkeypatch, round=46, digest="a" * 16)
-    _whole(monkeypatch)
-    assert node.rejoin_state(recs) == (47, "f" * 16)
+    me, b, c, recs, node, downloads = _rogue_wins_a_1_1_1(monkeypatch)
     recs[:] = [
         _rec(b, round=47, digest="0" * 15 + "g", port=7001, attests={me: 32}),
         _rec(c, round=47, digest="0" * 15 + "g", port=7002, attests={me: 32}),
