@@ -651,6 +651,14 @@ async def obtain_plan(
                 # follow or wait instead.
                 my_turn = None
                 continue
+            own = check_fn(plan) if check_fn is not None else None
+            if own is not None:
+                # A plan this peer's own check refuses is one no follower of its view takes (stop 62's CI: a newcomer
+                # on probation published plans every follower, itself too, refused, attempt after attempt): say why
+                # and leave the round to the next leader.
+                log.warning("round %d: not publishing my plan: my own check refuses it (%s)", round, own)
+                my_turn = None
+                continue
             published = await store.publish(plan)
             if not published:
                 log.warning("round %d: could not store my plan in the DHT", round)

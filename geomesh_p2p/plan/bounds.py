@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE
 from geomesh_p2p.plan.cost import ranks_of
 from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.trust.probation import PROBATION_BUDGET_FACTOR
 
 # Bounds on claims and plans (issue 11). Each is a multiple of the members' lower median, so that a
 # minority of liars cannot move the reference; honest swarms sit well inside them.
@@ -292,6 +293,18 @@ def budget_limit(median_budget: float, ranks: int = 1) -> float:
     caps (:func:`bound_records`): a K-rank peer trains K devices' share, as K one-rank peers would (issue 30).
     K counts at most ``BOUND_RANKS_MAX`` (:func:`bound_ranks`)."""
     return BUDGET_MEDIAN_FACTOR * bound_ranks(ranks) * median_budget
+
+
+def probation_limit(established_median: float, ranks: int = 1) -> float:
+    """The largest token budget a follower accepts for a peer on probation of ``ranks`` devices (before
+    ``PLAN_CHECK_TOLERANCE``) when the established participants' lower-median budget is ``established_median``
+    (tokens): ``PROBATION_BUDGET_FACTOR x ranks x`` it, per device as :func:`budget_limit` (K at most
+    ``BOUND_RANKS_MAX``). An AWB leader caps at the one-device bound (``awb._cap_probation``), under this one; a
+    uniform method (diloco, css) plans everyone the same steps, and a K-rank peer's batch is its K devices' rows.
+    Session 53 (stop 62's CI failure): the check's bound was per peer, so a 2-rank newcomer's 2 uniform steps (2x
+    the median) were over it while no leader could plan fewer: every follower refused every honest plan of that
+    round, which then never ended."""
+    return PROBATION_BUDGET_FACTOR * bound_ranks(ranks) * established_median
 
 
 def max_token_share(n_peers: int, ranks: int = 1) -> float:

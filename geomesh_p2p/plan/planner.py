@@ -39,6 +39,7 @@ from geomesh_p2p.plan.bounds import (
     evidence_ceiling_range,
     evidence_ceilings,
     max_token_share,
+    probation_limit,
     usable_rates,
 )
 from geomesh_p2p.plan.cost import (
@@ -301,8 +302,8 @@ def check_plan(
       plans them as client-only; one that bars others cannot shrink the count);
     * probation (:mod:`geomesh_p2p.trust.probation`): at most ``probation_slots(established)`` participants
       marked ``probation``, none of them owning a part, each budget at most ``PLAN_CHECK_TOLERANCE x
-      PROBATION_BUDGET_FACTOR`` x the established participants' lower-median budget (or its
-      ``min_inner_steps`` steps); they do not count as possible owners. Whether the marking matches this
+      PROBATION_BUDGET_FACTOR`` x the established participants' lower-median budget, x ``ranks`` for a multi-rank
+      peer (per device: :func:`probation_limit`), or its ``min_inner_steps`` steps; they do not count as possible owners. Whether the marking matches this
       follower's view of standing is checked by ``probation.marking_problem`` (the node's).
     """
     reason = _settings_problem(plan, cfg)
@@ -367,7 +368,7 @@ def check_plan(
     ranks = {r.peer_id: ranks_of(r) for r in recs}
     reason = (
         _budget_problem(plan, cfg, ranks)
-        or _probation_problem(plan, cfg)
+        or _probation_problem(plan, cfg, ranks)
         or _evidence_problem(plan, cfg, supported, unseen)
         or _under_plan_problem(plan, cfg, by_id, ranks, supported, unseen, late)
         or compute_problems(
@@ -388,8 +389,9 @@ def records_needed(plan: RoundPlan, cfg: PlanConfig) -> list[str]:
     a wrong accumulation as a :class:`ContentRefusal` (the full-view peers then follow the next leader): a
     light follower must see every such lie, not a sample of them, or it follows a plan they bypass. Also a budget
     over the one-device bounds of :func:`check_plan` (``BUDGET_MEDIAN_FACTOR`` x the median, the largest share):
-    only a multi-rank peer may hold one, and only its record says so."""
-    over = _over_budget(plan, cfg, {})
+    only a multi-rank peer may hold one, and only its record says so; the same for a budget over the one-device
+    probation bound (session 53)."""
+    over = {**_over_budget(plan, cfg, {}), **_over_probation(plan, cfg, {})}
     return [
         a.peer_id
         for a in plan.assignments
@@ -475,7 +477,7 @@ def check_plan_sampled(
     lows = lowest_ceilings(plan, supported, unseen, rule.balanced, late)
     reason = (
         _budget_problem(plan, cfg, ranks)
-        or _probation_problem(plan, cfg)
+        or _probation_problem(plan, cfg, ranks)
         or _evidence_problem(plan, cfg, supported, unseen)
         or _under_plan_problem(plan, cfg, unclamped, ranks, supported, unseen, late)
         # the rate's lower end only where the leader cannot have clamped the record (the spread caps of the plan)
@@ -599,9 +601,10 @@ def _ownership_problem(plan: RoundPlan, cfg: PlanConfig, possible: set, barred: 
     return None
 
 
-def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
-    """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan). Every
-    reason follows from the plan and ``cfg`` alone: a ContentRefusal (honest followers bypass the plan)."""
+def _probation_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> Optional[str]:
+    """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan). The count
+    and the ownership follow from the plan and ``cfg`` alone: a ContentRefusal (honest followers bypass the plan).
+    The budget bound is per device (:func:`_over_probation`)."""
     marked = [a for a in plan.assignments if a.probation]
     if not marked:
         return None
@@ -613,17 +616,35 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
         return ContentRefusal(
             f"it plans {len(marked)} peers on probation with {len(est)} established; at most {slots} may join a round"
         )
-    limit = PLAN_CHECK_TOLERANCE * PROBATION_BUDGET_FACTOR * statistics.median_low([a.token_budget for a in est])
     for a in marked:
         if a.owns_part:
             return ContentRefusal(f"{a.peer_id[:10]} is on probation and owns a part")
-        floor = min_steps_tokens(a, cfg, plan)
-        if a.token_budget > max(limit, floor):
-            return ContentRefusal(
-                f"token budget {a.token_budget} for {a.peer_id[:10]} (on probation) is over "
-                f"{PROBATION_BUDGET_FACTOR:g}x the established peers' median budget"
+    return next(iter(_over_probation(plan, cfg, ranks).values()), None)
+
+
+def _over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+    """peer id -> why the budget of a participant ``plan`` marks as on probation is over ``PLAN_CHECK_TOLERANCE x``
+    :func:`probation_limit` of the established participants' lower-median budget, unless it is its fewest steps.
+    Per device (``ranks``: peer id -> K from this follower's records, 1 for a peer not in it), as the median cap:
+    a :class:`ContentRefusal` for a one-device peer, a plain reason over a multi-rank peer's (its K is its
+    record's; a light follower reads the record of a budget over the one-device bound: :func:`records_needed`)."""
+    est = [a.token_budget for a in plan.assignments if not a.probation]
+    if not est:
+        return {}
+    median = statistics.median_low(est)
+    out: dict[str, str] = {}
+    for a in plan.assignments:
+        if not a.probation:
+            continue
+        k = ranks.get(a.peer_id, 1)
+        if a.token_budget > max(PLAN_CHECK_TOLERANCE * probation_limit(median, k), min_steps_tokens(a, cfg, plan)):
+            devices = f" ({k} ranks)" if k > 1 else ""
+            reason = (
+                f"token budget {a.token_budget} for {a.peer_id[:10]}{devices} (on probation) is over "
+                f"{PROBATION_BUDGET_FACTOR * bound_ranks(k):g}x the established peers' median budget ({median})"
             )
-    return None
+            out[a.peer_id] = ContentRefusal(reason) if k == 1 else reason
+    return out
 
 
 def _under_plan_problem(
@@ -742,6 +763,7 @@ def _under_planned(
             continue
         caps = [budget_limit(median, ranks.get(a.peer_id, 1))]
         if a.probation and est:
+            # the leader's cap is per peer (awb._cap_probation: what every 0.19 follower accepts), under the check's
             caps.append(PROBATION_BUDGET_FACTOR * statistics.median_low(est))
         expected = min([fit[0] * fit[1]] + [math.floor(c / step) * step for c in caps])
         if tolerance * (a.token_budget + max(step, fit[1])) <= expected:

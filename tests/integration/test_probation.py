@@ -432,3 +432,35 @@ def test_one_established_attestor_alone_cannot_vouch_identities_into_a_late_join
     recs[0] = SimpleNamespace(peer_id=honest[0], standing={**everyone, attest_key(sybils[0]): 32})
     view = pb.StandingView(ledger, recs, round=30, me=honest[1])
     assert view.established(sybils[0]) and not view.established(sybils[1])
+
+
+@pytest.mark.parametrize("method", ["diloco", "awb"])
+def test_a_two_rank_newcomer_on_probation_gets_a_per_device_budget_every_follower_accepts(method):
+    """Stop 62's CI failure (session 53): a 2-rank newcomer joined a uniform (diloco, H=2) swarm in round 1; its
+    2 steps of its two devices' batch were 2x the established median, over the per-peer probation bound, and no
+    leader can plan fewer steps: every follower, the leader too, refused every honest plan and round 1 never ended.
+    The bound is per device now, as the median cap (probation_limit), in the planner and in the check alike."""
+    ids = [Identity.generate() for _ in range(2)]
+    honest = [_rec(i, 7000 + k) for k, i in enumerate(ids)]
+    two = _rec(Identity.generate(), 7100, tps=2000.0).model_copy(update={"ranks": 2, "max_batch": 16})
+    run = RunConfig(seq_len=32, window_s=5.0, method=method, uniform_inner_steps=2)
+    pids = [r.peer_id for r in honest]
+    nodes = [_node(p, credited=[(r, pids) for r in range(5)]) for p in pids]
+    for n in nodes:
+        n.planning.run_cfg = run
+    plan = nodes[0].planning.build_plan(honest + [two], pids[0])
+    assert plan.probation() == [two.peer_id]
+    a = plan.assignment(two.peer_id)
+    median = statistics.median_low([plan.assignment(p).token_budget for p in pids])
+    assert a.token_budget <= pb.PROBATION_BUDGET_FACTOR * 2 * median
+    if method == "diloco":  # H=2 for all, the 2-rank peer trains both devices' rows: exactly 2x
+        assert a.token_budget == 2 * median, (a.token_budget, median)
+    live = {r.peer_id: r for r in honest + [two]}
+    for n in nodes:
+        n.state.numel = plan.numel
+        assert n.planning.plan_problem(plan, live) is None
+    # the same plan for a one-rank newcomer (its record without ranks) stays refused, by every follower alike
+    one = {**live, two.peer_id: two.model_copy(update={"ranks": 1})}
+    if a.token_budget > 1.5 * median:
+        reasons = {n.planning.plan_problem(plan, one) for n in nodes}
+        assert len(reasons) == 1 and None not in reasons, reasons

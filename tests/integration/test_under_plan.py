@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from geomesh_p2p.model.capability import MAX_TPS_GROWTH_PER_UPDATE
 from geomesh_p2p.plan.bounds import UNDER_PLAN_TOLERANCE, bound_records
-from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan
+from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, records_needed
 from geomesh_p2p.plan.schema import ContentRefusal, RoundPlan
 from geomesh_p2p.trust.probation import probation_slots
 from tests.integration.test_plan_bounds import KW, T0, by_id, honest_swarms, node_configs, paper_cfg, rec
@@ -199,7 +199,9 @@ def test_honest_plans_with_evidence_and_probation_pass_both_checks_with_the_same
     except ValueError:
         return  # probation left no owner: the node leaves them out (NoOwner) before planning
     assert check_plan(plan, by_id(recs), cfg, now=T0, supported=supported) is None
-    sample = random.Random(seed).sample(recs, min(k, len(recs)))
+    # a light follower reads the records the plan alone cannot check besides its sample (a multi-rank peer's)
+    needed = records_needed(plan, cfg)
+    sample = random.Random(seed).sample(recs, min(k, len(recs))) + [r for r in recs if r.peer_id in needed]
     assert check_plan_sampled(plan, by_id(sample), cfg, now=T0, supported=supported) is None
     # and the bounded records are what the leader planned from (the follower's fit is the leader's)
     assert [r.peer_id for r in bound_records(sorted(recs, key=lambda r: r.peer_id))] == plan.participants()

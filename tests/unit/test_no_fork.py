@@ -128,14 +128,14 @@ async def test_a_plan_every_honest_follower_refuses_by_its_content_is_bypassed_a
             _planner(3),
             plan_timeout_s=T,
             settle_s=0.05,
-            accept=accept,
+            accept=None if str(i.peer_id) == rogue else accept,  # the rogue does not check its own plan
             candidates=[r.peer_id for r in recs],
         )
 
     got = await asyncio.gather(*(run(i) for i in ids), return_exceptions=True)
     assert not any(isinstance(g, BaseException) for g in got), got
-    assert {g.leader for g in got} == {recs[1].peer_id}  # the second-ranked leader's plan, on every peer
-    assert len({g.to_bytes() for g in got}) == 1
+    assert {g.leader for g in got[1:]} == {recs[1].peer_id}  # the second-ranked leader's plan, on every honest peer
+    assert len({g.to_bytes() for g in got[1:]}) == 1 and got[0].leader == rogue
     # the same refusal as a plain reason (it depends on the view) blocks: the honest followers sit out
     dht2 = MemoryDHT()
 
@@ -147,7 +147,9 @@ async def test_a_plan_every_honest_follower_refuses_by_its_content_is_bypassed_a
             _planner(3),
             plan_timeout_s=T,
             settle_s=0.05,
-            accept=lambda p: "it names peers that are not live" if p.leader == rogue else None,
+            accept=None
+            if str(i.peer_id) == rogue
+            else lambda p: "it names peers that are not live" if p.leader == rogue else None,
             candidates=[r.peer_id for r in recs],
         )
 
@@ -465,3 +467,41 @@ async def test_participants_that_all_announced_leaving_are_retried_for_a_while_t
     tries = int(resync.HOLD_LEAVING_S // resync.RESYNC_RETRY_PAUSE_S) + 1
     assert len(drv.calls) == tries and drv.state.round == 4
     assert (drv.ended.cause, drv.ended.synced, drv.ended.swarm_round) == ("finished_without", False, 5)
+
+
+async def test_a_leader_whose_own_check_refuses_its_plan_does_not_publish_it(caplog):
+    """Stop 62's CI (session 53): a planner and a check that disagreed (a 2-rank newcomer's per-peer probation
+    bound) had every leader publish plans that every follower, the leader itself too, refused, attempt after
+    attempt. A leader checks its plan before storing it: one its own check refuses is not published (one WARNING
+    with the reason), and the next leader's plan is followed by every peer."""
+    ids, recs = _three()
+    first = recs[0].peer_id
+    dht = MemoryDHT()
+
+    def accept(plan):  # every peer's check, the first leader's own too, refuses the first leader's plan
+        return ContentRefusal("a planner bug") if plan.leader == first else None
+
+    got = await asyncio.gather(
+        *(
+            obtain_plan(
+                PlanStore(dht.view(), i, RUN),
+                3,
+                recs,
+                _planner(3),
+                plan_timeout_s=T,
+                settle_s=0.05,
+                accept=accept,
+                candidates=[r.peer_id for r in recs],
+            )
+            for i in ids
+        ),
+        return_exceptions=True,
+    )
+    assert not any(isinstance(g, BaseException) for g in got), got
+    assert {g.leader for g in got} == {recs[1].peer_id}
+    assert len({g.to_bytes() for g in got}) == 1
+    _stored, why = await PlanStore(dht.view(), ids[1], RUN).read_exact(3, first, "0" * 64)
+    assert why == f"no plan of round 3 from {first[:10]} in the DHT"
+    assert [m for m in caplog.messages if "not publishing my plan" in m] == [
+        "round 3: not publishing my plan: my own check refuses it (a planner bug)"
+    ]
