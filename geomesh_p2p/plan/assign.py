@@ -19,7 +19,13 @@ from geomesh_p2p.schema.peer import PeerRecord
 
 
 def partition(
-    numel: int, owners: Sequence[PeerRecord], *, align: int = 1, min_size: int = 0, equal: bool = False
+    numel: int,
+    owners: Sequence[PeerRecord],
+    *,
+    align: int = 1,
+    min_size: int = 0,
+    equal: bool = False,
+    share_among: Optional[int] = None,
 ) -> list[tuple[str, int, int]]:
     """Split ``[0, numel)`` into contiguous parts, one per peer, in peer_id order, by :func:`part_sizes`.
 
@@ -27,7 +33,7 @@ def partition(
     download_bps)``, bytes/s); client-only peers (``address is None``) get an empty part.
     ``equal=True`` splits equally among the owners instead (the uniform baseline). Returns
     ``[(peer_id, start, end)]`` for every peer given, sorted by peer_id; the non-empty parts tile
-    ``[0, numel)`` exactly.
+    ``[0, numel)`` exactly. ``share_among``: as :func:`part_sizes` (no part over a fair share among that many).
 
     Raises ValueError for ``numel < 0``, no peers, duplicate peer ids, a non-positive bandwidth, or
     no peer that accepts connections (someone must own the parts).
@@ -46,7 +52,7 @@ def partition(
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"peer {r.peer_id}: {field}={v} must be a positive finite bandwidth (bytes/s)")
     bw = [0.0 if r.client_only else float(min(r.upload_bps, r.download_bps)) for r in recs]
-    sizes = part_sizes(numel, bw, align=align, min_size=min_size, equal=equal)
+    sizes = part_sizes(numel, bw, align=align, min_size=min_size, equal=equal, share_among=share_among)
     out, pos = [], 0
     for r, size in zip(recs, sizes):
         out.append((r.peer_id, pos, pos + size))
@@ -65,6 +71,7 @@ class PlanMeta(NamedTuple):
     start_time: float
     start_digest: Optional[str]
     created_at: Optional[float]
+    share_among: Optional[int] = None
 
 
 def build_plan(
@@ -80,8 +87,11 @@ def build_plan(
 ) -> RoundPlan:
     """The RoundPlan of peers ``recs`` (their ``models`` and inner steps ``H``, window ``T`` seconds):
     ``[0, numel)`` partitioned among the established peers that accept connections (``equal``: in
-    equal parts, else by bandwidth), the probation peers made client-only (:func:`owners_only`)."""
-    parts = partition(meta.numel, owners_only(recs, probation), align=cfg.part_align, equal=equal)
+    equal parts, else by bandwidth; none over a fair share among ``meta.share_among``: :func:`partition`), the
+    probation peers made client-only (:func:`owners_only`)."""
+    parts = partition(
+        meta.numel, owners_only(recs, probation), align=cfg.part_align, equal=equal, share_among=meta.share_among
+    )
     assignments = []
     for m, h, (pid, start, end) in zip(models, H.tolist(), parts):
         assert pid == m.peer_id

@@ -212,6 +212,7 @@ def plan_round(
     created_at: Optional[float] = None,
     supported_tokens_per_s: Optional[Mapping[str, float]] = None,
     probation: Collection[str] = (),
+    share_among: Optional[int] = None,
     late_tokens_per_s: Optional[Mapping[str, float]] = None,
 ) -> RoundPlan:
     """Plan a round with adaptive workload balancing (GeoMesh's AWB; see the module docstring).
@@ -233,6 +234,9 @@ def plan_round(
     round (late pushes, no-shows: :func:`~geomesh_p2p.plan.bounds.late_ceiling`), so a late peer gets less work;
     its ``H_i`` is lowered, the window ``T`` is not (followers recompute ``T`` from the records alone). Finally no budget exceeds ``BUDGET_MEDIAN_FACTOR`` x the
     lower-median budget (x ``ranks`` for a multi-rank peer: per device) unless it is ``min_inner_steps`` steps of its batch.
+    ``share_among``: no owner's part over a fair share among that many (the possible owners a follower that holds
+    none of the leader's owner bars counts: :func:`~geomesh_p2p.plan.bounds.follower_owner_count`), where the owners
+    can hold the vector at that cap.
 
     The result does not depend on the order of ``records``. Raises ValueError for no peers, a
     duplicate peer_id, a peer with no measured throughput or a non-positive bandwidth (the message
@@ -278,7 +282,7 @@ def plan_round(
     H = _cap_budgets(models, H, cfg, ranks, floors)
     if probation:
         H = _cap_budgets(models, _cap_probation(models, H, cfg, probation, floors), cfg, ranks, floors)
-    meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
+    meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at, share_among)
     return build_plan(recs, models, H, T, cfg, meta, probation, equal=False)
 
 

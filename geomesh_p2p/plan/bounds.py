@@ -183,6 +183,17 @@ def bound_ranks(ranks: int) -> int:
 LEADER_BAR_MIN_OWNERS = 4
 
 
+def follower_owner_count(possible: int, unowned: int, mine: int = 0) -> int:
+    """The owners a follower's ownership bound is a fair share among (``check_plan``): ``possible`` participants
+    whose records have an address (less probation), ``unowned`` of them owning nothing in the plan, ``mine`` of those
+    barred by the follower itself. From ``LEADER_BAR_MIN_OWNERS`` possible owners on, a minority the leader leaves
+    out is its call; below, only the follower's own bars shrink the count. At least 1. The leader caps each part at
+    the bound of the follower that bars none (``mine`` 0: the tightest; :func:`~geomesh_p2p.plan.assign.partition`'s
+    ``share_among``), so that honest views of the bars that differ do not refuse its plan."""
+    leeway = (possible - 1) // 2 if possible >= LEADER_BAR_MIN_OWNERS else 0
+    return max(1, possible - max(mine, min(unowned, leeway)))
+
+
 #: how far a follower's recomputation (window, budget ceilings) may differ from the leader's: views of
 #: the records can differ between leader and follower by one re-announcement. Followers' recomputation
 #: from the same records is exact; attacks are orders of magnitude outside.

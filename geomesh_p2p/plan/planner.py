@@ -26,7 +26,6 @@ from geomesh_p2p.plan.awb import auto_window, choose_window, plan_round, window_
 from geomesh_p2p.plan.bounds import (
     BATCH_SPREAD_CAP,
     BUDGET_MEDIAN_FACTOR,
-    LEADER_BAR_MIN_OWNERS,
     MAX_CLOCK_SKEW_S,
     MAX_PLAN_AGE_S,
     PLAN_CHECK_TOLERANCE,
@@ -38,6 +37,7 @@ from geomesh_p2p.plan.bounds import (
     check_records,
     evidence_ceiling_range,
     evidence_ceilings,
+    follower_owner_count,
     max_token_share,
     probation_limit,
     usable_rates,
@@ -587,9 +587,7 @@ def _ownership_problem(plan: RoundPlan, cfg: PlanConfig, possible: set, barred: 
     # call, so honest views that differ do not refuse honest plans, while a rogue leader still cannot make
     # itself sole owner (each owner stays under ~2 OWNER_SHARE_FACTOR / n of the vector).
     unowned = possible - {pid for pid, _, _ in plan.owners()}
-    mine = len(unowned & set(barred))
-    leeway = (len(possible) - 1) // 2 if len(possible) >= LEADER_BAR_MIN_OWNERS else 0
-    n_owners = max(1, len(possible) - max(mine, min(len(unowned), leeway)))
+    n_owners = follower_owner_count(len(possible), len(unowned), len(unowned & set(barred)))
     units = -(-plan.numel // cfg.part_align)
     cap = max_owner_units(units, n_owners) * cfg.part_align
     for pid, start, end in plan.owners():

@@ -32,6 +32,7 @@ def plan_uniform(
     created_at: Optional[float] = None,
     inner_steps: Optional[int] = None,
     probation: Collection[str] = (),
+    share_among: Optional[int] = None,
 ) -> RoundPlan:
     """Plan a round the DiLoCo way: the same batch and inner steps for every peer.
 
@@ -52,5 +53,5 @@ def plan_uniform(
     H = np.full(len(models), H_all, dtype=np.int64)
     T = max(H_all * m.step_s + m.comm_s for m in models)
     probation = probation_ids(recs, probation)
-    meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at)
+    meta = PlanMeta(run_id, round, leader, numel, start_time, start_digest, created_at, share_among)
     return build_plan(recs, models, H, T, cfg, meta, probation, equal=True)

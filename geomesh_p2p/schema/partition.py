@@ -74,7 +74,13 @@ def _cap_sizes(sizes: list[int], weights: list[float], cap: int) -> list[int]:
 
 
 def part_sizes(
-    numel: int, bandwidths: Sequence[Optional[float]], *, align: int = 1, min_size: int = 0, equal: bool = False
+    numel: int,
+    bandwidths: Sequence[Optional[float]],
+    *,
+    align: int = 1,
+    min_size: int = 0,
+    equal: bool = False,
+    share_among: Optional[int] = None,
 ) -> list[int]:
     """THE partition rule (the planner's :func:`partition` and the collective's ``make_partition``
     both call it): how many elements of ``[0, numel)`` each peer gets, in the order given.
@@ -86,7 +92,9 @@ def part_sizes(
     ``equal=True``. Every size is a multiple of ``align`` elements except the last non-empty one;
     ``min_size``: a peer that would get fewer elements gets none (load_balance_peers' rule). No
     peer gets more than :func:`max_owner_units` units: the excess goes to the others in proportion
-    to bandwidth. The sizes sum to ``numel``.
+    to bandwidth; with ``share_among`` (a count over the owners: the participants a follower counts as
+    possible owners, ``plan.bounds.follower_owner_count``) no more than ``max_owner_units(units, share_among)``
+    where the owners can hold every unit at that cap (else the owners' own cap). The sizes sum to ``numel``.
 
     Raises ValueError for ``numel < 0``, ``align < 1``, no peers, a negative or non-finite
     bandwidth, or no peer with a positive (or unknown) bandwidth.
@@ -129,9 +137,13 @@ def part_sizes(
                 logger.warning("load_balance_peers gave an unusable split %s; using bandwidth-proportional", sizes)
             sizes = _proportional(units, bw)
     if units:
-        sizes = _cap_sizes(
-            sizes, [1.0 if b > 0 else 0.0 for b in bw] if equal else bw, max_owner_units(units, n_owners)
-        )
+        cap = max_owner_units(units, n_owners)
+        if share_among is not None and share_among > n_owners:
+            # the bound of a follower that counts more possible owners than own a part (session 53: a resumed peer
+            # that did not hold the leader's owner bar refused its plan), where the owners can meet it
+            tighter = max_owner_units(units, share_among)
+            cap = tighter if tighter * n_owners >= units else cap
+        sizes = _cap_sizes(sizes, [1.0 if b > 0 else 0.0 for b in bw] if equal else bw, cap)
 
     sizes = [x * align for x in sizes]
     excess = sum(sizes) - numel

@@ -35,6 +35,7 @@ from geomesh_p2p.plan.bounds import (
     PLAN_CHECK_TOLERANCE,
     THROUGHPUT_SPREAD_CAP,
     bound_records,
+    follower_owner_count,
     max_token_share,
 )
 from geomesh_p2p.plan.planner import check_plan, check_plan_sampled, make_plan, records_needed
@@ -251,6 +252,26 @@ def test_honest_plans_always_pass_the_followers_checks(recs, cfg_p, evidence):
     ranks = {r.peer_id: r.ranks for r in recs}
     limits = [BUDGET_MEDIAN_FACTOR * min(8, ranks[a.peer_id]) * median for a in plan.assignments]  # per device
     assert all(b <= max(limit, f) for b, f, limit in zip(budgets, floors, limits))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recs=honest_swarms(), cfg_p=node_configs(), bars=st.integers(0, 11))
+def test_a_leaders_plan_without_the_owners_it_bars_passes_a_follower_that_bars_none(recs, cfg_p, bars):
+    """Session 53 (fresh user 52b): a leader plans the owners it bars as client-only; a follower holding none of its
+    bars counts them as possible owners (below 4, none of them is the leader's call). With ``share_among`` its
+    count (the node's planning passes it), no honest plan is refused by such a follower where the leader's owners
+    can hold the vector at that follower's bound."""
+    cfg, numel = cfg_p
+    placed = [r.peer_id for r in recs if r.address]
+    barred = set(placed[1 : 1 + bars])  # never every owner (the node keeps one: Penalties.without_parts)
+    leader_view = [r.model_copy(update={"address": None}) if r.peer_id in barred else r for r in recs]
+    n = follower_owner_count(len(placed), len(barred))
+    plan = make_plan(leader_view, cfg, numel=numel, share_among=n, **KW)
+    units = -(-numel // cfg.part_align)
+    if max_owner_units(units, n) * (len(placed) - len(barred)) < units:
+        return  # too few owners left for that bound: no plan meets it (the follower sits the round out, as before)
+    assert check_plan(plan, by_id(recs), cfg, now=T0, barred=()) is None
+    assert check_plan(plan, by_id(recs), cfg, now=T0, barred=barred) is None
 
 
 def rogue_variants(honest: RoundPlan, cfg: PlanConfig) -> dict[str, RoundPlan]:

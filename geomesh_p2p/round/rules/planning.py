@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from geomesh_p2p.config.method import MethodRule, round_mode
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan import planner
+from geomesh_p2p.plan.bounds import follower_owner_count
 from geomesh_p2p.plan.agree import PlanDeferred
 from geomesh_p2p.plan.planner import PlanConfig
 from geomesh_p2p.plan.schema import ContentRefusal
@@ -179,6 +180,7 @@ class PlanRules:
         rnd = self.state.round
         members, chosen = self.admit(members)
         probation = chosen
+        placed = {m.peer_id for m in members if m.address}  # the addresses the records announce
         members = self.penalties.without_parts(members, probation)
         cfg = self.plan_config(len(members))
         supported = self.delivered_evidence(rnd)
@@ -212,6 +214,13 @@ class PlanRules:
         # their delivered contributions support (Reprofiler.delivered_rates).
         if not any(m.address for m in members):
             raise NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
+        # Parts are capped at the ownership bound of a follower that holds none of this peer's owner bars (it
+        # counts every participant its records place as a possible owner): views of the bars differ after a
+        # resume, and such a follower refused the plan (session 52, fresh user 52b: 847360 of 937472 elements,
+        # over the 626688 bound among 3).
+        possible = {m.peer_id for m in members if m.peer_id in placed} - set(probation)
+        owners = {m.peer_id for m in members if m.address} - set(probation)
+        share_among = follower_owner_count(len(possible), len(possible - owners))
         return planner.make_plan(
             members,
             cfg,
@@ -225,6 +234,7 @@ class PlanRules:
             probation=probation,
             # late peers (no part of a recent round took their work) get less of it (probation.py, "A late peer")
             late_tokens_per_s=self.penalties.late_ceilings(),
+            share_among=share_among,
         )
 
     def plan_problem(self, plan, live: dict) -> Optional[str]:
