@@ -181,7 +181,9 @@ async def test_two_of_three_peers_stopped_together_still_apply_the_round(tmp_pat
         row = rows[me][r]
         floor = floor_steps_of(row, run_cfg.seq_len)
         # each stopper had a token floor (planned that many steps or more), and its stop held once the floor's steps ran
-        assert row.inner_steps_planned > floor, (me[:8], row.inner_steps_planned)
+        # (a loaded box may plan a stopper exactly its floor: session 53's CI, 14 of 14; its stop then cuts nothing,
+        # and the rest of the test still holds: its work counts, the round moves the weights)
+        assert row.inner_steps_planned >= floor >= 1, (me[:8], row.inner_steps_planned, floor)
         assert row.inner_steps_done == floor, (me[:8], row.inner_steps_done, row.inner_steps_planned)
     survivor = rows[nodes[1].me][r]
     assert survivor.inner_steps_done >= floor_steps_of(survivor, run_cfg.seq_len)
