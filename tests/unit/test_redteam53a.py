@@ -79,6 +79,40 @@ def test_a_newcomer_claiming_eight_ranks_under_a_uniform_method_gets_eight_media
     assert plan.assignment(rogue.peer_id).token_budget <= pb.PROBATION_BUDGET_FACTOR * _median(plan, honest)
 
 
+def test_under_awb_a_newcomers_ranks_claim_buys_its_fewest_steps_of_k_devices_rows():
+    """AWB caps a newcomer at one device's bound, but never under its fewest steps (``min_inner_steps`` of its
+    batch), and a K-rank peer's batch is K x the target rows, K up to 64 (``MAX_RANKS``: the floor is not bounded
+    at ``BOUND_RANKS_MAX``). A newcomer claiming 64 ranks and max_batch 512 (what bound_records keeps: 8 x 8 x the
+    median) gets one step of 512 rows: 4x the established median (17 steps of 8 rows), 4/7 of the round's planned
+    tokens, and every follower accepts it (the floor). Its weight in the aggregate is the median's
+    (``weight_cap`` 1.0). Left open: the floor scales with K / the median's steps (32x at 2 steps)."""
+    nodes, honest, rogue = _swarm("awb", 64, max_batch=512)
+    plan = _plan(nodes, honest, rogue)
+    a, median = plan.assignment(rogue.peer_id), _median(plan, honest)
+    assert (a.batch_size, a.inner_steps, a.token_budget, median) == (512, 1, 16384, 4096)
+    assert a.token_budget / plan.total_token_budget() == pytest.approx(4 / 7)
+    live = {r.peer_id: r for r in honest + [rogue]}
+    assert [n.planning.plan_problem(plan, live) for n in nodes] == [None, None, None]
+    tokens = [plan.assignment(r.peer_id).token_budget for r in honest] + [a.token_budget]
+    assert bounded_weights(tokens, 1.0)[-1] == median
+
+
+def test_a_light_follower_reads_the_newcomers_record_and_decides_as_the_full_followers():
+    """records_needed names a newcomer over the one-device probation bound: a light follower reads its record
+    (round/light.py check_sample) and gives the full followers' verdict; without the record it falls back to the
+    full path (a plain reason), never follows on its own (a newcomer claiming 8 ranks: accepted by both)."""
+    nodes, honest, rogue = _swarm("diloco", 8)
+    plan = _plan(nodes, honest, rogue)
+    light = nodes[2].planning
+    assert light.records_needed(plan) == [rogue.peer_id]
+    assert light.sampled_plan_problem(plan, {rogue.peer_id: rogue}, [rogue.peer_id]) is None
+    missing = light.sampled_plan_problem(plan, {}, [rogue.peer_id, honest[1].peer_id])
+    assert missing is not None and not isinstance(missing, ContentRefusal) and "not live" in missing
+    assert light.sampled_plan_problem(plan, {honest[1].peer_id: honest[1]}, [honest[1].peer_id]) == (
+        f"it needs the records of {[rogue.peer_id[:10]]} to be checked, and they were not read"
+    )
+
+
 # ------------------------------------------------------------------ 2. views of a newcomer's ranks that differ
 def test_followers_whose_views_of_a_newcomers_ranks_differ_never_split_between_following_and_bypassing():
     """The CI swarm (diloco, a 2-rank newcomer: 2x the median). A follower whose record of the newcomer is one
