@@ -8,6 +8,7 @@ Swarms: 3 established peers (standing over 5 rounds) and one newcomer on probati
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
 
@@ -16,12 +17,15 @@ import pytest
 from geomesh_p2p.config.models import RunConfig
 from geomesh_p2p.exchange.robust import bounded_weights
 from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.plan.agree import PlanRefused
 from geomesh_p2p.plan import planner
 from geomesh_p2p.plan.bounds import BOUND_RANKS_MAX, PLAN_CHECK_TOLERANCE, follower_owner_count
 from geomesh_p2p.plan.schema import ContentRefusal
+from geomesh_p2p.round import PlanStore, obtain_plan
 from geomesh_p2p.schema.partition import max_owner_units, part_sizes
 from geomesh_p2p.trust import probation as pb
 from tests.integration.test_probation import _node, _rec
+from tests.unit.test_no_fork import RUN, T, MemoryDHT, _planner, _three
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -345,3 +349,48 @@ def test_a_leader_barring_two_of_three_owners_is_followed_by_a_follower_holding_
     nodes[2].state.numel = plan.numel
     why = nodes[2].planning.plan_problem(plan, live)
     assert why is None, why
+
+
+async def test_a_leader_whose_own_view_alone_refuses_its_plan_costs_one_takeover_not_the_round(caplog):
+    """Session 53's self-check with a view-dependent refusal (a plain reason of the leader's own view only: a record
+    it read one announcement older): the first leader does not publish, the second-ranked leader's plan is the
+    one every peer ends on, the first leader included when its view accepts that plan (one take-over's wait, as a
+    silent first leader costs); where its view refuses that one too it sits out (PlanRefused), never a fork."""
+
+    for also_second in (False, True):
+        ids, recs = _three()
+        first, second = recs[0].peer_id, recs[1].peer_id
+        dht = MemoryDHT()
+
+        def accept_of(me: str):
+            def accept(plan):  # only the first leader's own view refuses: its own plan (and the second's, or not)
+                if me == first and (plan.leader == first or also_second):
+                    return "a record of this view alone"
+                return None
+
+            return accept
+
+        got = await asyncio.gather(
+            *(
+                obtain_plan(
+                    PlanStore(dht.view(), i, RUN),
+                    3,
+                    recs,
+                    _planner(3),
+                    plan_timeout_s=T,
+                    settle_s=0.05,
+                    accept=accept_of(str(i.peer_id)),
+                    candidates=[r.peer_id for r in recs],
+                )  # fmt: skip
+                for i in ids
+            ),
+            return_exceptions=True,
+        )
+        assert [g.leader for g in got[1:]] == [second, second]
+        if also_second:
+            assert isinstance(got[0], PlanRefused) and got[0].plan.leader == second
+        else:
+            assert got[0].leader == second and got[0].to_bytes() == got[1].to_bytes()
+    assert [m for m in caplog.messages if "not publishing my plan" in m] == [
+        "round 3: not publishing my plan: my own check refuses it (a record of this view alone)"
+    ] * 2
