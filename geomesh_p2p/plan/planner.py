@@ -25,6 +25,7 @@ from geomesh_p2p.config import method as _method
 from geomesh_p2p.plan.awb import auto_window, choose_window, plan_round, window_fit
 from geomesh_p2p.plan.bounds import (
     BATCH_SPREAD_CAP,
+    BOUND_RANKS_MAX,
     BUDGET_MEDIAN_FACTOR,
     MAX_CLOCK_SKEW_S,
     MAX_PLAN_AGE_S,
@@ -55,6 +56,7 @@ from geomesh_p2p.plan.cost import (
 from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.plan.uniform import plan_uniform
 from geomesh_p2p.plan.views import (
+    accumulation_problem,
     compute_problems,
     link_slowdown,
     lowest_ceilings,
@@ -325,12 +327,9 @@ def check_plan(
         r, who = by_id[a.peer_id], a.peer_id[:10]
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
-        target = cfg.target_batch * ranks_of(r)  # a floor per device: K x for a K-rank peer
-        if a.accum_steps != accum_steps_for(a.micro_batch, target):
-            return ContentRefusal(
-                f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
-                f"{target} means {accum_steps_for(a.micro_batch, target)}"
-            )
+        reason = accumulation_problem(a, r, cfg)  # the target batch is a floor per device: K x for a K-rank peer
+        if reason is not None:
+            return reason
         if balanced and not plan_min_steps(a, cfg, plan, strict=True) <= a.inner_steps <= cfg.max_inner_steps:
             return ContentRefusal(
                 f"{a.inner_steps} inner steps for {who}, outside {plan_min_steps(a, cfg, plan, strict=True)}..{cfg.max_inner_steps}"
@@ -391,7 +390,7 @@ def records_needed(plan: RoundPlan, cfg: PlanConfig) -> list[str]:
     over the one-device bounds of :func:`check_plan` (``BUDGET_MEDIAN_FACTOR`` x the median, the largest share):
     only a multi-rank peer may hold one, and only its record says so; the same for a budget over the one-device
     probation bound (session 53)."""
-    over = {**_over_budget(plan, cfg, {}), **_over_probation(plan, cfg, {})}
+    over = {**_over_budget(plan, cfg, {}), **over_probation(plan, cfg, {})}
     return [
         a.peer_id
         for a in plan.assignments
@@ -456,13 +455,7 @@ def check_plan_sampled(
             return f"{who} is placed at {a.address}, its record says {r.address}"
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
-        target = cfg.target_batch * ranks_of(r)
-        if a.accum_steps != accum_steps_for(a.micro_batch, target):
-            return ContentRefusal(
-                f"{who} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch "
-                f"{target} means {accum_steps_for(a.micro_batch, target)}"
-            )
-        reason = throughput_problem(a, r, cfg, plan, rule.balanced, "its record")
+        reason = accumulation_problem(a, r, cfg) or throughput_problem(a, r, cfg, plan, rule.balanced, "its record")
         if reason is not None:
             return reason
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
@@ -602,7 +595,7 @@ def _ownership_problem(plan: RoundPlan, cfg: PlanConfig, possible: set, barred: 
 def _probation_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> Optional[str]:
     """Count, ownership and budgets of the participants ``plan`` marks as on probation (see check_plan). The count
     and the ownership follow from the plan and ``cfg`` alone: a ContentRefusal (honest followers bypass the plan).
-    The budget bound is per device (:func:`_over_probation`)."""
+    The budget bound is per device (:func:`over_probation`)."""
     marked = [a for a in plan.assignments if a.probation]
     if not marked:
         return None
@@ -617,15 +610,16 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int
     for a in marked:
         if a.owns_part:
             return ContentRefusal(f"{a.peer_id[:10]} is on probation and owns a part")
-    return next(iter(_over_probation(plan, cfg, ranks).values()), None)
+    return next(iter(over_probation(plan, cfg, ranks).values()), None)
 
 
-def _over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
     """peer id -> why the budget of a participant ``plan`` marks as on probation is over ``PLAN_CHECK_TOLERANCE x``
     :func:`probation_limit` of the established participants' lower-median budget, unless it is its fewest steps.
     Per device (``ranks``: peer id -> K from this follower's records, 1 for a peer not in it), as the median cap:
-    a :class:`ContentRefusal` for a one-device peer, a plain reason over a multi-rank peer's (its K is its
-    record's; a light follower reads the record of a budget over the one-device bound: :func:`records_needed`)."""
+    a plain reason (views of K differ: red team 53a; a light follower reads the record: :func:`records_needed`),
+    a :class:`ContentRefusal` only over the bound of ``BOUND_RANKS_MAX`` devices, which no record lifts. A leader
+    leaves such a newcomer out (``PlanRules.build_plan``: a uniform method plans K devices' rows, K up to 64)."""
     est = [a.token_budget for a in plan.assignments if not a.probation]
     if not est:
         return {}
@@ -641,7 +635,10 @@ def _over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) 
                 f"token budget {a.token_budget} for {a.peer_id[:10]}{devices} (on probation) is over "
                 f"{PROBATION_BUDGET_FACTOR * bound_ranks(k):g}x the established peers' median budget ({median})"
             )
-            out[a.peer_id] = ContentRefusal(reason) if k == 1 else reason
+            anyone = max(
+                PLAN_CHECK_TOLERANCE * probation_limit(median, BOUND_RANKS_MAX), min_steps_tokens(a, cfg, plan)
+            )
+            out[a.peer_id] = ContentRefusal(reason) if a.token_budget > anyone else reason  # any record's K: content
     return out
 
 

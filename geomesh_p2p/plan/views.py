@@ -20,9 +20,9 @@ from geomesh_p2p.plan.bounds import (
     UNDER_PLAN_TOLERANCE,
     evidence_ceiling_range,
 )
-from geomesh_p2p.plan.cost import comm_time, interpolate_tokens_per_s
-from geomesh_p2p.plan.schema import PeerAssignment, PlanConfig, RoundPlan
-from geomesh_p2p.schema.peer import PeerRecord
+from geomesh_p2p.plan.cost import accum_steps_for, comm_time, interpolate_tokens_per_s, ranks_of
+from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, PlanConfig, RoundPlan
+from geomesh_p2p.schema.peer import MAX_RANKS, PeerRecord
 from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
 
 #: Exchange modes whose contributions verified work screens (every reader, or the validators, hold them signed).
@@ -137,6 +137,26 @@ def min_steps_tokens(a: PeerAssignment, cfg: PlanConfig, plan: RoundPlan) -> int
     exclusion rule keeps (never fewer than 2 peers) was over the throughput ceiling, and every follower, the leader
     too, refused every honest plan of that swarm (tests/unit/test_planner.py)."""
     return plan_min_steps(a, cfg, plan) * int(a.batch_size) * cfg.seq_len
+
+
+def accumulation_problem(a: PeerAssignment, record: PeerRecord, cfg: PlanConfig) -> Optional[str]:
+    """Why assignment ``a``'s accumulation steps are not those of its micro-batch for the target batch of
+    ``record``'s K devices (``cfg.target_batch`` x K: a floor per device), or None. A :class:`ContentRefusal` only
+    where no K of a record (1..``MAX_RANKS``) gives them; else plain: K is the follower's record's, and a follower
+    whose record of the peer was one announcement older bypassed the plan the others followed (red team 53a)."""
+    target = cfg.target_batch * ranks_of(record)
+    if a.accum_steps == accum_steps_for(a.micro_batch, target):
+        return None
+    reason = (
+        f"{a.peer_id[:10]} accumulates {a.accum_steps} micro-batches of {a.micro_batch}; target batch {target} "
+        f"means {accum_steps_for(a.micro_batch, target)}"
+    )
+    ks = range(1, MAX_RANKS + 1)
+    return (
+        reason
+        if any(a.accum_steps == accum_steps_for(a.micro_batch, cfg.target_batch * k) for k in ks)
+        else (ContentRefusal(reason))
+    )
 
 
 def throughput_problem(

@@ -12,6 +12,7 @@ from geomesh_p2p.config.method import MethodRule, round_mode
 from geomesh_p2p.net.swarm_time import swarm_time
 from geomesh_p2p.plan import planner
 from geomesh_p2p.plan.bounds import follower_owner_count
+from geomesh_p2p.plan.cost import ranks_of
 from geomesh_p2p.plan.agree import PlanDeferred
 from geomesh_p2p.plan.planner import PlanConfig
 from geomesh_p2p.plan.schema import ContentRefusal
@@ -214,6 +215,26 @@ class PlanRules:
         # their delivered contributions support (Reprofiler.delivered_rates).
         if not any(m.address for m in members):
             raise NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
+        plan = self._plan(members, placed, probation, cfg, leader, supported)
+        over = planner.over_probation(plan, cfg, {m.peer_id: ranks_of(m) for m in members})
+        if over:
+            # A newcomer whose budget every follower's probation check refuses (a uniform method plans a K-rank peer
+            # K devices' rows, and a record may claim more ranks than the bound counts): left out of the round, it
+            # waits to be established; planned, no plan of the round was followed, nor published (red team 53a).
+            log.info(
+                "round %d: planning without %s on probation: %s",
+                rnd,
+                ", ".join(p[:10] for p in over),
+                next(iter(over.values())),
+            )
+            members = [m for m in members if m.peer_id not in over]
+            probation = tuple(p for p in probation if p not in over)
+            plan = self._plan(members, placed, probation, self.plan_config(len(members)), leader, supported)
+        return plan
+
+    def _plan(self, members, placed: set, probation: tuple, cfg: PlanConfig, leader: str, supported):
+        """:func:`planner.make_plan` of :meth:`build_plan` (``placed``: the members whose records announce an
+        address, before the owner penalties)."""
         # Parts are capped at the ownership bound of a follower that holds none of this peer's owner bars (it
         # counts every participant its records place as a possible owner): views of the bars differ after a
         # resume, and such a follower refused the plan (session 52, fresh user 52b: 847360 of 937472 elements,
@@ -225,7 +246,7 @@ class PlanRules:
             members,
             cfg,
             run_id=self.run_cfg.run_id,
-            round=rnd,
+            round=self.state.round,
             leader=leader,
             numel=self.state.numel,
             start_time=swarm_time() + 0.5,
