@@ -414,7 +414,9 @@ def check_plan_sampled(
 
     Checked over the whole plan, from the plan and ``cfg`` alone: settings, step bounds (AWB) or the fixed H
     (uniform methods), the train deadline against the window and ``now``, every budget against the plan's
-    median and the largest share, probation counts, and ownership (each owner under
+    median and the largest share (per device at the K of a sampled participant's record, at ``BOUND_RANKS_MAX`` for
+    one not sampled: :func:`records_needed` names those over the one-device bounds, which a light follower reads
+    before it follows), probation counts, and ownership (each owner under
     :func:`max_owner_units` among the participants the plan gives an address, less ``barred``). Checked for
     the sampled participants, against their records as announced (not bounded by the median of all, which
     needs every record; the announced figure is the looser bound, so a plan :func:`make_plan` makes always
@@ -464,13 +466,16 @@ def check_plan_sampled(
         return f"it starts {plan.created_at - now:.0f} s in the future"
     if now - plan.created_at > MAX_PLAN_AGE_S:
         return _too_old(plan, now)
-    # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed)
+    # a multi-rank peer's budget may pass the one-device bounds only with its record read (records_needed); one not
+    # read may be of any K the bounds count (fresh user 53: the agreement's record-less check refused a 2-rank
+    # newcomer's plan, the light follower came too late to the full path and was benched as a no-show)
     ranks = {pid: ranks_of(r) for pid, r in sampled.items()}
+    any_k = {a.peer_id: ranks.get(a.peer_id, BOUND_RANKS_MAX) for a in plan.assignments}
     unclamped = _bounded_by_plan(plan, cfg, sampled)
     lows = lowest_ceilings(plan, supported, unseen, rule.balanced, late)
     reason = (
-        _budget_problem(plan, cfg, ranks)
-        or _probation_problem(plan, cfg, ranks)
+        _budget_problem(plan, cfg, any_k)
+        or _probation_problem(plan, cfg, any_k)
         or _evidence_problem(plan, cfg, supported, unseen)
         or _under_plan_problem(plan, cfg, unclamped, ranks, supported, unseen, late)
         # the rate's lower end only where the leader cannot have clamped the record (the spread caps of the plan)

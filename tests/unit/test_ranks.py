@@ -213,7 +213,11 @@ def test_a_multi_rank_peer_is_bounded_per_device() -> None:
     # accepts; without it the plan is over the one-device bounds
     assert records_needed(plan, BENCH_CFG) == ["box"]
     assert check_plan_sampled(plan, records, BENCH_CFG, now=plan.created_at) is None
-    reason = check_plan_sampled(plan, {"other": other}, BENCH_CFG, now=plan.created_at)
+    # without it the bound is any K's (session 53: the light agreement's record-less check refused a 2-rank
+    # newcomer's plan): the light follower reads records_needed's records before it follows (round/light.py)
+    assert check_plan_sampled(plan, {"other": other}, BENCH_CFG, now=plan.created_at) is None
+    one = box.model_copy(update={"ranks": 1})  # read, the record's K decides
+    reason = check_plan_sampled(plan, {"other": other, "box": one}, BENCH_CFG, now=plan.created_at)
     assert reason == "token budget 90112 for box is over 8x the plan's median budget (8192)"
     # the same figures claimed by one device are still bounded as before: 8 x 1424 tokens/s, 8 x 8192 tokens
     solo = peer_record(
