@@ -26,6 +26,7 @@ from geomesh_p2p.round.context import LineageEntry, Phase, RoundContext, Specula
 from geomesh_p2p.round import light
 from geomesh_p2p.round.eager import drop_speculative
 from geomesh_p2p.round.gather import ROUND_END_SLACK_S
+from geomesh_p2p.round.rules.penalties import conclusive
 from geomesh_p2p.round.ports import CheckHolder, EagerStatePort, SnapshotEvaluator
 
 if TYPE_CHECKING:
@@ -200,6 +201,7 @@ def round_record(
         digest=digest,
         contributors=len(delivered),
         missing_parts=len(ar.missing_parts),
+        applied=conclusive(ar),
         time=drv.clock.time(),
         eval_round=eval_round,
     )

@@ -100,6 +100,8 @@ class RoundRecord:
     digest_agree: Optional[bool] = None
     contributors: int = 0  # distinct peers whose contribution was taken in at least one part
     missing_parts: int = 0
+    # whether some part aggregated a token (round.rules.penalties.conclusive); None: not known (rows before 0.19.1)
+    applied: Optional[bool] = None
     time: float = 0.0
     loop_stall_ms: Optional[float] = None  # worst event-loop stall of the round, ms (None: not measured)
     phase_s: dict = field(default_factory=dict)  # PHASES name -> seconds in this row's cycle (issue 17)
@@ -171,7 +173,9 @@ def format_row(r: RoundRecord) -> str:
     agree = {None: "", True: " ok", False: " MISMATCH"}[r.digest_agree]
     # a round whose exchange aggregated nobody's work (every part refused or missing): its state did not move, which
     # "ok" alone hid (fresh-user trial, session 29: a resumed leader's plan refused by the others)
-    agree += " (nothing applied)" if r.contributors == 0 and r.missing_parts > 0 else ""
+    # (fresh user 53: contributions that all counted 0 tokens, each under its token floor, applied nothing either)
+    nothing = (r.contributors == 0 and r.missing_parts > 0) or r.applied is False
+    agree += " (nothing applied)" if nothing else ""
     loss = f"{r.train_loss:>7.3f}" if math.isfinite(r.train_loss) else f"{'-':>7}"
     share = r.compute_share
     comp = f"{100 * share:>5.1f}" if share is not None else f"{'-':>5}"

@@ -226,6 +226,7 @@ def test_json_lines_exact(tmp_path):
         "digest_agree": True,
         "contributors": 3,
         "missing_parts": 0,
+        "applied": None,
         "time": 1_700_000_000.5,
         "loop_stall_ms": 30.0,
         "extra": {},
@@ -311,3 +312,8 @@ def test_a_row_whose_exchange_applied_nothing_says_so():
     fine = RoundRecord(**base, **kw, contributors=3, missing_parts=0)
     assert format_row(lost).endswith("323098d9 ok (nothing applied)")
     assert format_row(fine).endswith("323098d9 ok")
+    # fresh user 53 (make demo at load 12-24): every part had a result of 0 tokens (each claim under its token floor)
+    zero = RoundRecord(**base, **kw, contributors=3, missing_parts=0, applied=False)
+    assert format_row(zero).endswith("323098d9 ok (nothing applied)")
+    assert json.loads(zero.to_json())["applied"] is False
+    assert format_row(RoundRecord(**base, **kw, contributors=3, missing_parts=0, applied=True)).endswith("d9 ok")
