@@ -44,6 +44,20 @@ def _three():
     return ids, [_record(i, 1.0) for i in ids]
 
 
+def _obtain3(dht, ident, recs, accept):
+    """``obtain_plan`` of peer ``ident`` at round 3 among the three ``recs`` (each a candidate) with ``accept``."""
+    return obtain_plan(
+        PlanStore(dht.view(), ident, RUN),
+        3,
+        recs,
+        _planner(3),
+        plan_timeout_s=T,
+        settle_s=0.05,
+        accept=accept,
+        candidates=[r.peer_id for r in recs],
+    )
+
+
 def _three_at_round_2():
     """Three peers' records at round 2, the first's planning rules, and the second's honest plan naming all three."""
     run = RunConfig(seq_len=32, window_s=5.0)
@@ -483,22 +497,7 @@ async def test_a_leader_whose_own_check_refuses_its_plan_does_not_publish_it(cap
     def accept(plan):  # every peer's check, the first leader's own too, refuses the first leader's plan
         return ContentRefusal("a planner bug") if plan.leader == first else None
 
-    got = await asyncio.gather(
-        *(
-            obtain_plan(
-                PlanStore(dht.view(), i, RUN),
-                3,
-                recs,
-                _planner(3),
-                plan_timeout_s=T,
-                settle_s=0.05,
-                accept=accept,
-                candidates=[r.peer_id for r in recs],
-            )
-            for i in ids
-        ),
-        return_exceptions=True,
-    )
+    got = await asyncio.gather(*(_obtain3(dht, i, recs, accept) for i in ids), return_exceptions=True)
     assert not any(isinstance(g, BaseException) for g in got), got
     assert {g.leader for g in got} == {recs[1].peer_id}
     assert len({g.to_bytes() for g in got}) == 1

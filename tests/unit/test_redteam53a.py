@@ -21,11 +21,10 @@ from geomesh_p2p.plan.agree import PlanRefused
 from geomesh_p2p.plan import planner
 from geomesh_p2p.plan.bounds import BOUND_RANKS_MAX, PLAN_CHECK_TOLERANCE, follower_owner_count
 from geomesh_p2p.plan.schema import ContentRefusal
-from geomesh_p2p.round import PlanStore, obtain_plan
 from geomesh_p2p.schema.partition import max_owner_units, part_sizes
 from geomesh_p2p.trust import probation as pb
 from tests.integration.test_probation import _node, _rec
-from tests.unit.test_no_fork import RUN, T, MemoryDHT, _planner, _three
+from tests.unit.test_no_fork import MemoryDHT, _obtain3, _three
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -375,20 +374,7 @@ async def test_a_leader_whose_own_view_alone_refuses_its_plan_costs_one_takeover
             return accept
 
         got = await asyncio.gather(
-            *(
-                obtain_plan(
-                    PlanStore(dht.view(), i, RUN),
-                    3,
-                    recs,
-                    _planner(3),
-                    plan_timeout_s=T,
-                    settle_s=0.05,
-                    accept=accept_of(str(i.peer_id)),
-                    candidates=[r.peer_id for r in recs],
-                )  # fmt: skip
-                for i in ids
-            ),
-            return_exceptions=True,
+            *(_obtain3(dht, i, recs, accept_of(str(i.peer_id))) for i in ids), return_exceptions=True
         )
         assert [g.leader for g in got[1:]] == [second, second]
         if also_second:
