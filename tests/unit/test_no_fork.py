@@ -44,17 +44,18 @@ def _three():
     return ids, [_record(i, 1.0) for i in ids]
 
 
-def _obtain3(dht, ident, recs, accept):
-    """``obtain_plan`` of peer ``ident`` at round 3 among the three ``recs`` (each a candidate) with ``accept``."""
+def _obtain3(dht, ident, recs, accept, *, members=None, candidates=None):
+    """``obtain_plan`` of peer ``ident`` at round 3 among ``members`` (default: the three ``recs``) with ``accept``;
+    ``candidates`` default to every one of ``recs``."""
     return obtain_plan(
         PlanStore(dht.view(), ident, RUN),
         3,
-        recs,
+        recs if members is None else members,
         _planner(3),
         plan_timeout_s=T,
         settle_s=0.05,
         accept=accept,
-        candidates=[r.peer_id for r in recs],
+        candidates=[r.peer_id for r in recs] if candidates is None else candidates,
     )
 
 
@@ -98,16 +99,7 @@ async def test_a_follower_refusing_the_leaders_plan_sits_out_instead_of_leading_
     dht = MemoryDHT()
 
     def run(i, members, accept):
-        return obtain_plan(
-            PlanStore(dht.view(), i, RUN),
-            3,
-            members,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
-            accept=accept,
-            candidates=[r.peer_id for r in recs[:2]],
-        )
+        return _obtain3(dht, i, recs, accept, members=members, candidates=[r.peer_id for r in recs[:2]])
 
     lagging = set(everyone) - {recs[2].peer_id}
     got = await asyncio.gather(
@@ -134,17 +126,8 @@ async def test_a_plan_every_honest_follower_refuses_by_its_content_is_bypassed_a
     def accept(plan):
         return ContentRefusal("it accumulates 273437500 micro-batches") if plan.leader == rogue else None
 
-    def run(i):
-        return obtain_plan(
-            PlanStore(dht.view(), i, RUN),
-            3,
-            recs,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
-            accept=None if str(i.peer_id) == rogue else accept,  # the rogue does not check its own plan
-            candidates=[r.peer_id for r in recs],
-        )
+    def run(i):  # the rogue does not check its own plan
+        return _obtain3(dht, i, recs, None if str(i.peer_id) == rogue else accept)
 
     got = await asyncio.gather(*(run(i) for i in ids), return_exceptions=True)
     assert not any(isinstance(g, BaseException) for g in got), got
@@ -154,18 +137,10 @@ async def test_a_plan_every_honest_follower_refuses_by_its_content_is_bypassed_a
     dht2 = MemoryDHT()
 
     def run2(i):
-        return obtain_plan(
-            PlanStore(dht2.view(), i, RUN),
-            3,
-            recs,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
-            accept=None
-            if str(i.peer_id) == rogue
-            else lambda p: "it names peers that are not live" if p.leader == rogue else None,
-            candidates=[r.peer_id for r in recs],
-        )
+        def plain(p):
+            return "it names peers that are not live" if p.leader == rogue else None
+
+        return _obtain3(dht2, i, recs, None if str(i.peer_id) == rogue else plain)
 
     got2 = await asyncio.gather(*(run2(i) for i in ids), return_exceptions=True)
     assert all(isinstance(g, PlanRefused) and g.plan.leader == rogue for g in got2[1:]), got2
@@ -181,16 +156,7 @@ async def test_a_view_that_catches_up_within_the_settle_follows_the_plan():
         obtain_plan(PlanStore(dht.view(), ids[0], RUN), 3, recs, _planner(3), plan_timeout_s=T, settle_s=0.05)
     )
     follower = asyncio.ensure_future(
-        obtain_plan(
-            PlanStore(dht.view(), ids[1], RUN),
-            3,
-            recs,
-            _planner(3),
-            plan_timeout_s=T,
-            settle_s=0.05,
-            accept=_not_live(view),
-            candidates=[r.peer_id for r in recs[:2]],
-        )
+        _obtain3(dht, ids[1], recs, _not_live(view), candidates=[r.peer_id for r in recs[:2]])
     )
     await dht.wait_until(lambda: bool(dht.data))
     view.add(recs[2].peer_id)  # the third's record is read now (the plan starts 1 s after it was made)
