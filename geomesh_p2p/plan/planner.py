@@ -389,8 +389,9 @@ def records_needed(plan: RoundPlan, cfg: PlanConfig) -> list[str]:
     light follower must see every such lie, not a sample of them, or it follows a plan they bypass. Also a budget
     over the one-device bounds of :func:`check_plan` (``BUDGET_MEDIAN_FACTOR`` x the median, the largest share):
     only a multi-rank peer may hold one, and only its record says so; the same for a budget over the one-device
-    probation bound (session 53)."""
-    over = {**_over_budget(plan, cfg, {}), **over_probation(plan, cfg, {})}
+    probation bound (session 53), its fewest steps included (red team 53b: that floor is of the plan's batch, which
+    only the record's ``max_batch`` bounds: 1 step of 4096 rows for a one-device accomplice was 30x an AWB median)."""
+    over = {**_over_budget(plan, cfg, {}, floors=False), **over_probation(plan, cfg, {}, floors=False)}
     return [
         a.peer_id
         for a in plan.assignments
@@ -513,11 +514,11 @@ def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     return None
 
 
-def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int], floors: bool = True) -> dict[str, str]:
     """peer id -> why its budget breaks the plan's own bounds (see :func:`check_plan`): over
     :func:`budget_limit` of the plan's lower-median budget, or over :func:`max_token_share` of the total, each
     per device (``ranks``: peer id -> K; a peer not in it counts as one device), unless the budget is
-    ``min_inner_steps`` steps of its batch."""
+    ``min_inner_steps`` steps of its batch (``floors``; without, :func:`records_needed`, that exemption too)."""
     budgets = [a.token_budget for a in plan.assignments]
     median = statistics.median_low(budgets)
     total = sum(budgets)
@@ -525,7 +526,7 @@ def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> 
     for a in plan.assignments:
         who, k = a.peer_id[:10], ranks.get(a.peer_id, 1)
         limit, share = budget_limit(median, k), max_token_share(len(budgets), k)
-        floor = min_steps_tokens(a, cfg, plan)
+        floor = min_steps_tokens(a, cfg, plan) if floors else 0
         devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
             out[a.peer_id] = (
@@ -618,7 +619,7 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int
     return next(iter(over_probation(plan, cfg, ranks).values()), None)
 
 
-def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int], floors: bool = True) -> dict[str, str]:
     """peer id -> why the budget of a participant ``plan`` marks as on probation is over ``PLAN_CHECK_TOLERANCE x``
     :func:`probation_limit` of the established participants' lower-median budget, unless it is its fewest steps.
     Per device (``ranks``: peer id -> K from this follower's records, 1 for a peer not in it), as the median cap:
@@ -634,7 +635,8 @@ def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -
         if not a.probation:
             continue
         k = ranks.get(a.peer_id, 1)
-        if a.token_budget > max(PLAN_CHECK_TOLERANCE * probation_limit(median, k), min_steps_tokens(a, cfg, plan)):
+        floor = min_steps_tokens(a, cfg, plan) if floors else 0  # floors False: records_needed (as _over_budget)
+        if a.token_budget > max(PLAN_CHECK_TOLERANCE * probation_limit(median, k), floor):
             devices = f" ({k} ranks)" if k > 1 else ""
             reason = (
                 f"token budget {a.token_budget} for {a.peer_id[:10]}{devices} (on probation) is over "
