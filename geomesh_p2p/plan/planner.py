@@ -64,6 +64,7 @@ from geomesh_p2p.plan.views import (
     plan_min_steps,
     records_at_stated_links,
     throughput_problem,
+    uniform_micro_problem,
 )
 from geomesh_p2p.schema.partition import OWNER_SHARE_FACTOR, max_owner_units
 from geomesh_p2p.schema.peer import PeerRecord
@@ -382,19 +383,19 @@ def check_plan(
 
 
 def records_needed(plan: RoundPlan, cfg: PlanConfig) -> list[str]:
-    """The participants of ``plan`` whose assignment the plan alone cannot check, so a light follower reads
-    their records (issue 25): an accumulation other than a one-device peer's for its micro-batch (a K-rank
-    peer's target batch is K x ``cfg.target_batch``, and only its record says K). :func:`check_plan` refuses
-    a wrong accumulation as a :class:`ContentRefusal` (the full-view peers then follow the next leader): a
-    light follower must see every such lie, not a sample of them, or it follows a plan they bypass. Also a budget
-    over the one-device bounds of :func:`check_plan` (``BUDGET_MEDIAN_FACTOR`` x the median, the largest share):
-    only a multi-rank peer may hold one, and only its record says so; the same for a budget over the one-device
-    probation bound (session 53)."""
-    over = {**_over_budget(plan, cfg, {}), **over_probation(plan, cfg, {})}
+    """The participants of ``plan`` whose assignment the plan alone cannot check, so a light follower reads their
+    records (issue 25): an accumulation other than a one-device peer's for its micro-batch (a K-rank peer's target
+    batch is K x ``cfg.target_batch``; a light follower must see every such lie, not a sample, or it follows a plan
+    the full-view peers bypass), a budget over the one-device (probation) bounds of :func:`check_plan`, fewest steps
+    included (the floor is of the plan's batch: red team 53b), and under a uniform method a micro-batch over the
+    target batch: only a multi-rank peer may hold one, and only its record says so (sessions 53, 53b)."""
+    over = {**_over_budget(plan, cfg, {}, floors=False), **over_probation(plan, cfg, {}, floors=False)}
+    most = math.inf if _method_rule(cfg).balanced else cfg.target_batch  # uniform: one device's micro-batch
+    accums = {a.peer_id: accum_steps_for(a.micro_batch, cfg.target_batch) for a in plan.assignments}
     return [
         a.peer_id
         for a in plan.assignments
-        if a.accum_steps != accum_steps_for(a.micro_batch, cfg.target_batch) or a.peer_id in over
+        if a.accum_steps != accums[a.peer_id] or a.peer_id in over or a.micro_batch > most
     ]
 
 
@@ -457,7 +458,8 @@ def check_plan_sampled(
             return f"{who} is placed at {a.address}, its record says {r.address}"
         if a.micro_batch > r.max_batch:
             return f"micro-batch {a.micro_batch} for {who} exceeds the {r.max_batch} its record supports"
-        reason = accumulation_problem(a, r, cfg) or throughput_problem(a, r, cfg, plan, rule.balanced, "its record")
+        reason = accumulation_problem(a, r, cfg) or uniform_micro_problem(a, r, cfg, rule.balanced)
+        reason = reason or throughput_problem(a, r, cfg, plan, rule.balanced, "its record")
         if reason is not None:
             return reason
     if abs(plan.train_deadline - plan.created_at - T) > 1e-6 * T + 1e-3:
@@ -513,11 +515,11 @@ def _settings_problem(plan: RoundPlan, cfg: PlanConfig) -> Optional[str]:
     return None
 
 
-def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int], floors: bool = True) -> dict[str, str]:
     """peer id -> why its budget breaks the plan's own bounds (see :func:`check_plan`): over
     :func:`budget_limit` of the plan's lower-median budget, or over :func:`max_token_share` of the total, each
     per device (``ranks``: peer id -> K; a peer not in it counts as one device), unless the budget is
-    ``min_inner_steps`` steps of its batch."""
+    ``min_inner_steps`` steps of its batch (``floors``; without, :func:`records_needed`, that exemption too)."""
     budgets = [a.token_budget for a in plan.assignments]
     median = statistics.median_low(budgets)
     total = sum(budgets)
@@ -525,7 +527,7 @@ def _over_budget(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> 
     for a in plan.assignments:
         who, k = a.peer_id[:10], ranks.get(a.peer_id, 1)
         limit, share = budget_limit(median, k), max_token_share(len(budgets), k)
-        floor = min_steps_tokens(a, cfg, plan)
+        floor = min_steps_tokens(a, cfg, plan) if floors else 0
         devices = f" ({k} ranks)" if k > 1 else ""
         if a.token_budget > max(limit, floor):
             out[a.peer_id] = (
@@ -618,7 +620,7 @@ def _probation_problem(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int
     return next(iter(over_probation(plan, cfg, ranks).values()), None)
 
 
-def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -> dict[str, str]:
+def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int], floors: bool = True) -> dict[str, str]:
     """peer id -> why the budget of a participant ``plan`` marks as on probation is over ``PLAN_CHECK_TOLERANCE x``
     :func:`probation_limit` of the established participants' lower-median budget, unless it is its fewest steps.
     Per device (``ranks``: peer id -> K from this follower's records, 1 for a peer not in it), as the median cap:
@@ -634,7 +636,8 @@ def over_probation(plan: RoundPlan, cfg: PlanConfig, ranks: Mapping[str, int]) -
         if not a.probation:
             continue
         k = ranks.get(a.peer_id, 1)
-        if a.token_budget > max(PLAN_CHECK_TOLERANCE * probation_limit(median, k), min_steps_tokens(a, cfg, plan)):
+        floor = min_steps_tokens(a, cfg, plan) if floors else 0  # floors False: records_needed (as _over_budget)
+        if a.token_budget > max(PLAN_CHECK_TOLERANCE * probation_limit(median, k), floor):
             devices = f" ({k} ranks)" if k > 1 else ""
             reason = (
                 f"token budget {a.token_budget} for {a.peer_id[:10]}{devices} (on probation) is over "

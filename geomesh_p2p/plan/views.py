@@ -20,7 +20,14 @@ from geomesh_p2p.plan.bounds import (
     UNDER_PLAN_TOLERANCE,
     evidence_ceiling_range,
 )
-from geomesh_p2p.plan.cost import accum_steps_for, comm_time, interpolate_tokens_per_s, ranks_of
+from geomesh_p2p.plan.cost import (
+    accum_steps_for,
+    comm_time,
+    interpolate_tokens_per_s,
+    peer_uniform_micro,
+    rank_micro,
+    ranks_of,
+)
 from geomesh_p2p.plan.schema import ContentRefusal, PeerAssignment, PlanConfig, RoundPlan
 from geomesh_p2p.schema.peer import MAX_RANKS, PeerRecord
 from geomesh_p2p.trust.verify_task import VerifyConfig, screen_steps
@@ -156,6 +163,22 @@ def accumulation_problem(a: PeerAssignment, record: PeerRecord, cfg: PlanConfig)
         reason
         if any(a.accum_steps == accum_steps_for(a.micro_batch, cfg.target_batch * k) for k in ks)
         else (ContentRefusal(reason))
+    )
+
+
+def uniform_micro_problem(a: PeerAssignment, record: PeerRecord, cfg: PlanConfig, balanced: bool) -> Optional[str]:
+    """Why a uniform method's micro-batch for assignment ``a`` is over the most any uniform plan gives ``record``'s
+    peer (``rank_micro(peer_uniform_micro(cfg.target_batch, record))``: the plan's per-device micro-batch is at most
+    the target batch, :func:`~geomesh_p2p.plan.cost.uniform_micro`), or None (always for AWB: ``balanced``). A light
+    follower's check of a sampled record, which cannot recompute that per-device micro-batch (the least of every
+    record's); plain, as the full check's equality (red team 53b: a one-device accomplice announcing max_batch 64 got
+    2 steps of 16 rows, twice the median, and the light followers that read its record followed)."""
+    most = rank_micro(peer_uniform_micro(cfg.target_batch, record), record)
+    if balanced or a.micro_batch <= most:
+        return None
+    return (
+        f"{a.peer_id[:10]} gets micro-batch {a.micro_batch}; method {cfg.method} gives it at most {most} (the target "
+        f"batch {cfg.target_batch} per device)"
     )
 
 

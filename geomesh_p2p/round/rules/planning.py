@@ -6,7 +6,7 @@ exclusions and the evidence of delivered rates), and the checks a follower makes
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Collection, Optional, Sequence
 
 from geomesh_p2p.config.method import MethodRule, round_mode
 from geomesh_p2p.net.swarm_time import swarm_time
@@ -38,6 +38,8 @@ EXCHANGE_HORIZON_SHARE = 0.9
 #: The exchange timeout is at least max(EXCHANGE_FLOOR_S, EXCHANGE_FLOOR_PLAN_TIMEOUTS x --plan-timeout-s).
 EXCHANGE_FLOOR_S = 5.0
 EXCHANGE_FLOOR_PLAN_TIMEOUTS = 3
+#: Plans :meth:`PlanRules.build_plan` makes at most to fill a probation slot whose newcomer is over the bound.
+PROBATION_TRIES = 4
 
 
 def plan_horizon_s(window_s: Optional[float]) -> float:
@@ -150,13 +152,14 @@ class PlanRules:
         horizon = EXCHANGE_HORIZON_SHARE * plan_horizon_s(self.run_cfg.window_s)
         return max(floor, min(planner.exchange_timeout(comm, cpu, floor), horizon))
 
-    def admit(self, members):
+    def admit(self, members, skip: Collection[str] = ()):
         """(members to plan, those of them on probation): no-shows left out; of the peers on probation
-        (standing below ``probation.threshold``), at most ``probation_slots(established)``, highest
-        standing first, then by a per-round rendezvous hash (probation.py)."""
+        (standing below ``probation.threshold``) but ``skip`` (left out: newcomers :meth:`build_plan` found over
+        the probation bound), at most ``probation_slots(established)``, highest standing first, then by a
+        per-round rendezvous hash (probation.py)."""
         pen = self.penalties.noshows()
         me, rnd = self.state.me, self.state.round
-        kept = [m for m in members if m.peer_id not in pen or m.peer_id == me]
+        kept = [m for m in members if (m.peer_id not in pen or m.peer_id == me) and m.peer_id not in skip]
         view = self.standing_view(members)
         est, waiting = pb.split(view, [m.peer_id for m in kept])
         chosen = pb.select_probation(self.run_cfg.run_id, rnd, view, waiting, pb.probation_slots(len(est)))
@@ -177,9 +180,23 @@ class PlanRules:
 
     def build_plan(self, members, leader):
         """This peer's plan of the round over ``members`` with ``leader`` (raises :class:`NoOwner` when no
-        member to plan has an address)."""
+        member to plan has an address). A newcomer on probation whose budget every follower's check would refuse
+        is left out, and the next in line takes its slot (up to ``PROBATION_TRIES`` plans, then the slot stays
+        empty): red team 53b, a newcomer claiming 64 ranks held the only slot in the rounds its rendezvous hash
+        won, and the honest newcomer after it was not tried."""
+        skip: set[str] = set()
+        for tries in range(1, PROBATION_TRIES + 1):
+            plan, over = self._build_plan(members, leader, skip, last=tries == PROBATION_TRIES)
+            if not over:
+                return plan
+            skip |= set(over)
+        raise AssertionError("the last try leaves every newcomer over the bound out")  # pragma: no cover
+
+    def _build_plan(self, members, leader, skip: set[str], last: bool):
+        """(:meth:`build_plan`'s plan with the newcomers of ``skip`` left out, the newcomers it holds over the
+        probation bound: peer id -> why). ``last``: those are left out of the plan returned (no next try)."""
         rnd = self.state.round
-        members, chosen = self.admit(members)
+        members, chosen = self.admit(members, skip)
         probation = chosen
         placed = {m.peer_id for m in members if m.address}  # the addresses the records announce
         members = self.penalties.without_parts(members, probation)
@@ -217,6 +234,13 @@ class PlanRules:
             raise NoOwner(f"{len(members)} peer(s) to plan, all client-only or on probation")
         plan = self._plan(members, placed, probation, cfg, leader, supported)
         over = planner.over_probation(plan, cfg, {m.peer_id: ranks_of(m) for m in members})
+        if over and not last:
+            log.info(
+                "round %d: planning without %s on probation, the next in line tried",
+                rnd,
+                ", ".join(p[:10] for p in over),
+            )
+            return plan, over
         if over:
             # A newcomer whose budget every follower's probation check refuses (a uniform method plans a K-rank peer
             # K devices' rows, and a record may claim more ranks than the bound counts): left out of the round, it
@@ -230,7 +254,7 @@ class PlanRules:
             members = [m for m in members if m.peer_id not in over]
             probation = tuple(p for p in probation if p not in over)
             plan = self._plan(members, placed, probation, self.plan_config(len(members)), leader, supported)
-        return plan
+        return plan, {}
 
     def _plan(self, members, placed: set, probation: tuple, cfg: PlanConfig, leader: str, supported):
         """:func:`planner.make_plan` of :meth:`build_plan` (``placed``: the members whose records announce an
