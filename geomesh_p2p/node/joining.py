@@ -722,7 +722,9 @@ async def on_empty_swarm(node: PeerNode) -> None:
         log,
         logging.WARNING,
         "empty_swarm",
-        "run %r was at round %d (bootstrap %s saw %d peer(s) %.0f s ago) but no peer of it is live now",
+        # "or later": the bootstrap's figure is its last sight (fresh user 53: a run that went on to round 14 and
+        # ended was read "at round 9", seen 29 s before)
+        "run %r was at round %d or later (bootstrap %s saw %d peer(s) there %.0f s ago) but no peer of it is live now",
         node.run_cfg.run_id,
         prog.round,
         prog.by[:8] or "?",
