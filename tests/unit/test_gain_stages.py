@@ -22,7 +22,9 @@ from geomesh_p2p.trust.gain_stages import disagreement, stage_bounds
 from tests.poison import PartialData, PoisonedCorpus, trigger_ids
 from tests.verify_util import Counting, _fixed_identity, _packets, _plan, _train_round, world_fixture
 
-pytestmark = pytest.mark.timeout(300)
+# one intra-op thread (conftest's one_thread) for the screens too, not only the world's training: under make test's
+# load (3 workers on 2 cores) spin-waiting OpenMP threads made each screen's CPU steps many times slower
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 world = pytest.fixture(scope="module", name="world")(world_fixture)
 

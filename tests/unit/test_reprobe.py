@@ -15,7 +15,9 @@ from geomesh_p2p.model.capability import ThroughputEMA
 from geomesh_p2p.config.models import NodeConfig
 from geomesh_p2p.node.links import LinkProber
 
-pytestmark = pytest.mark.timeout(30)
+# one intra-op thread (conftest's one_thread): under make test's load (3 workers on 2 cores) spin-waiting OpenMP
+# threads made this file's CPU steps many times slower; nothing asserted depends on the thread count
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("one_thread")]
 BOOTSTRAPS = ["10.0.0.1:1", "10.0.0.2:1"]  # never dialled: probe_link is replaced in every test
 
 

@@ -25,7 +25,9 @@ from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.verify_commit import narrow
 from tests.verify_util import B, L, WORLD_CACHE, _fixed_identity, _plan, _train_round, world_fixture
 
-pytestmark = pytest.mark.timeout(300)
+# one intra-op thread (conftest's one_thread) for the screens too, not only the world's training: under make test's
+# load (3 workers on 2 cores) spin-waiting OpenMP threads made each screen's CPU steps many times slower
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]
 
 world = pytest.fixture(scope="module", name="world")(world_fixture)
 

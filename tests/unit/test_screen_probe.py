@@ -27,7 +27,9 @@ from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer
 from tests.poison import PoisonedCorpus, trigger_ids
 from tests.verify_util import B, L, ROUND, Counting, _fixed_identity, _plan, _train_round, _verifier, world_fixture
 
-pytestmark = pytest.mark.timeout(600)
+# one intra-op thread (conftest's one_thread) for the screens too, not only the world's training: under make test's
+# load (3 workers on 2 cores) spin-waiting OpenMP threads made each screen's CPU steps many times slower
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_thread")]
 
 world = pytest.fixture(scope="module", name="world")(world_fixture)
 

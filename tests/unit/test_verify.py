@@ -46,6 +46,10 @@ from tests.verify_util import (
     world_fixture,
 )
 
+# one intra-op thread (conftest's one_thread) for the screens too, not only the world's training: under make test's
+# load (3 workers on 2 cores) spin-waiting OpenMP threads made each screen's CPU steps many times slower
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 world = pytest.fixture(scope="module", name="world")(world_fixture)
 flipped_case = pytest.fixture(scope="module", name="flipped_case")(flipped_case_fixture)
 

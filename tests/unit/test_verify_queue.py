@@ -21,7 +21,9 @@ from geomesh_p2p.trust import verify_task as VT
 from geomesh_p2p.trust.verify_queue import CheckJob, CheckQueue, Pacer, QueueClosed
 from tests.verify_util import ROUND, FakeDHT, _fixed_identity, _verifier, flipped_case_fixture, world_fixture
 
-pytestmark = pytest.mark.timeout(240)
+# one intra-op thread (conftest's one_thread) for the screens too, not only the world's training: under make test's
+# load (3 workers on 2 cores) spin-waiting OpenMP threads made each screen's CPU steps many times slower
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
 world = pytest.fixture(scope="module", name="world")(world_fixture)
 flipped_case = pytest.fixture(scope="module", name="flipped_case")(flipped_case_fixture)
