@@ -11,8 +11,6 @@ p0 publishes, p2 follows. Two round drivers with the in-memory fakes and the nod
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +27,7 @@ from geomesh_p2p.round.planning import (
 )
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.standing import Standing
+from tests.driver_util import run_bounded
 from tests.integration.test_silent_established_red51c import Peer
 from tests.unit.test_round_driver import PEER_INDEX, PEERS, Swarm
 
@@ -88,13 +87,7 @@ async def test_the_last_leader_publishes_before_a_newcomer_while_the_only_candid
     for d in drivers:
         d._plan_seen = prev  # both obtained round 2's plan
     with events.capture("plan_takeover") as takeovers, events.capture("plan_last_resort") as resorts:
-        runs = asyncio.gather(*[d.run() for d in drivers])
-        # a hang guard only (before: p0 never led while p1's record lived)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(runs), 20)
-        runs.cancel()
-        with contextlib.suppress(BaseException):
-            await runs
+        await run_bounded(drivers, 20)  # a hang guard only (before: p0 never led while p1's record lived)
     took_over = {(e["peer"], bool(e.get("last_resort"))) for e in takeovers if e["round"] == 3}
     assert took_over == {(a.me, True)}, [(p[:10], lr) for p, lr in took_over]  # p0 alone, as the last resort
     assert {e["peer"] for e in resorts if e["round"] == 3} == {a.me}

@@ -8,8 +8,6 @@ rules (tests/integration/test_leader_livelock.py); the silent peer is a record o
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 
 import pytest
 
@@ -17,6 +15,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.round.planning import NEWCOMER_RESORT_MISSES
 from geomesh_p2p.telemetry import events
 from geomesh_p2p.trust.standing import Standing
+from tests.driver_util import run_bounded
 from tests.integration.test_leader_livelock import RulesPeer
 from tests.unit.test_round_driver import PEER_INDEX, PEERS, Swarm
 
@@ -48,13 +47,8 @@ async def test_newcomers_lead_past_a_live_established_peer_that_never_publishes(
     assert n1.leader_candidates(recs, live)[1] == [silent.me]  # established in a fresh joiner's view
     drivers = [p.driver(rounds=21, min_peers=2) for p in (n1, n2)]
     with events.capture("plan_takeover") as takeovers:
-        runs = asyncio.gather(*[d.run() for d in drivers])
         # a hang guard only (before: no plan at any attempt while the silent peer's record lived)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(runs), 20)
-        runs.cancel()
-        with contextlib.suppress(BaseException):
-            await runs
+        await run_bounded(drivers, 20)
     led = [e for e in takeovers if e["round"] == 20 and e.get("last_resort")]
     assert led and {e["peer"] for e in led} <= {n1.me, n2.me}
     # one plan leader for the round at both newcomers, in a bounded number of attempts

@@ -11,6 +11,7 @@ import pytest
 
 from geomesh_p2p.dht.announce import PeerAnnouncer
 from geomesh_p2p.net.identity import Identity
+from tests.driver_util import record_activity
 from tests.records_util import peer_record
 from tests.unit.test_round_driver import FakeClock, FakePeer, _peers
 
@@ -88,8 +89,6 @@ async def test_the_driver_announces_what_it_does_when_that_changes():
     assert said == ["waiting"]  # said once, not at every read of the wait
     pair = _peers(2)
     drivers = [p.driver(rounds=2, min_peers=2) for p in pair]
-    seen: list[list] = [[], []]
-    for d, out in zip(drivers, seen):
-        d._activity_changed = lambda d=d, out=out: out.append(d.activity)
+    seen = record_activity(drivers)
     await asyncio.wait_for(asyncio.gather(*(d.run() for d in drivers)), 30)
     assert seen == [["training"], ["training"]]

@@ -38,15 +38,15 @@ def _plan(round: int, leader: str, owners: list[tuple[str, int, int]], participa
     )
 
 
-def _p1_at_29():
-    """p1's rules after round 27 as it ran it (leader, p2 owning part 1, p3 not planned: still catching up), then
-    round 28 (no token anywhere: inconclusive), at round 29."""
-    plan27 = _plan(27, P1, [(P1, 0, 468480), (P2, 468480, NUMEL)], [P1, P2])
+def _p1_at_29(me: str = P1):
+    """p1's rules (or those of another honest peer ``me`` that did the same) after round 27 as it ran it (leader, p2
+    owning part 1, p3 not planned: still catching up), then round 28 (no token anywhere: inconclusive), at round 29."""
+    plan27 = _plan(27, me, [(me, 0, 468480), (P2, 468480, NUMEL)], [me, P2])
     spec = SimpleNamespace(round=27, owners=[SimpleNamespace(peer_id=p) for p, _, _ in plan27.owners()])
-    ar = SimpleNamespace(missing_parts=[1], contributors={0: [(P1, 38 * 16 * 128)]})
-    p1 = make_rules(me=P1, round=27, digest="d27")
+    ar = SimpleNamespace(missing_parts=[1], contributors={0: [(me, 38 * 16 * 128)]})
+    p1 = make_rules(me=me, round=27, digest="d27")
     # its checkpoint's evidence: both delivered round 26, so p2 is marked late (no leader candidate), not benched
-    p1.profile.supported_tps = (26, {P1: 5000.0, P2: 5000.0, P3: 5000.0})
+    p1.profile.supported_tps = (26, {me: 5000.0, P2: 5000.0, P3: 5000.0})
     p1.after_exchange(spec, plan27, ar)
     p1.state.round = 29
     return p1

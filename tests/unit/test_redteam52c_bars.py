@@ -9,14 +9,12 @@ tests/unit/test_lone_owner_bars52.py (p1 at round 29, P2 late-marked: no voter),
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
 from geomesh_p2p.round.rules import OWNER_PENALTY_ROUNDS
 from tests.records_util import peer_record
-from tests.rules_util import make_rules
 from tests.unit.test_lone_owner_bars52 import P1, P2, P3, REFUSAL, _p1_at_29, _plan, _records
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,19 +133,6 @@ def test_the_leaders_record_naming_the_bar_refuses_even_against_a_majority():
     )
 
 
-def _holder_at_29(me: str):
-    """The rules of an honest peer ``me`` that led round 27 with P2 owning part 1 (missing: the bar and a late mark on
-    P2, as at p1), at round 29."""
-    plan27 = _plan(27, me, [(me, 0, 468480), (P2, 468480, 937472)], [me, P2])
-    spec = SimpleNamespace(round=27, owners=[SimpleNamespace(peer_id=p) for p, _, _ in plan27.owners()])
-    ar = SimpleNamespace(missing_parts=[1], contributors={0: [(me, 38 * 16 * 128)]})
-    rules = make_rules(me=me, round=27, digest="d27")
-    rules.profile.supported_tps = (26, {me: 5000.0, P2: 5000.0, P3: 5000.0})
-    rules.after_exchange(spec, plan27, ar)
-    rules.state.round = 29
-    return rules
-
-
 B = "HonestBbbb" * 4
 
 
@@ -155,7 +140,7 @@ def _split_views():
     """Two honest holders of P2's bar, p1 (A) and B, reading the same records of round 29. A also holds a lone bar
     and a late mark on the honest P3 (P3's part failed in A's view only, fresh user 52's case), so P3 is no voter at
     A; P3 synced past round 27 and announces no owner_bars (None); R names none."""
-    a, b = _p1_at_29(), _holder_at_29(B)
+    a, b = _p1_at_29(), _p1_at_29(B)
     assert a.penalties.barred() == [P2] and b.penalties.barred() == [P2]
     a.penalties.owner[P3] = UNTIL
     a.penalties.late[P3] = (27 + 8, 0.0)

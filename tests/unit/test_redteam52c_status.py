@@ -18,6 +18,7 @@ from geomesh_p2p.net.identity import Identity
 from geomesh_p2p.node.report import leaving_unsaid
 from geomesh_p2p.schema.peer import MAX_ACTIVITY_CHARS
 from geomesh_p2p.status.swarm import _state
+from tests.driver_util import record_activity
 from tests.records_util import peer_record
 from tests.unit.test_leaving_alone52 import _Node
 from tests.unit.test_round_driver import FakeClock, FakePeer, _peers
@@ -126,9 +127,7 @@ async def test_the_driver_changes_its_activity_at_most_once_a_phase():
     (hundreds of gather reads) says ``waiting`` once."""
     pair = _peers(2)
     drivers = [p.driver(rounds=3, min_peers=2) for p in pair]
-    seen: list[list] = [[], []]
-    for d, out in zip(drivers, seen):
-        d._activity_changed = lambda d=d, out=out: out.append(d.activity)
+    seen = record_activity(drivers)
     await asyncio.wait_for(asyncio.gather(*(d.run() for d in drivers)), 30)
     assert [len(p.drv.history) for p in pair] == [3, 3]
     assert seen == [["training"], ["training"]]
