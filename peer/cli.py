@@ -147,8 +147,12 @@ def with_config_file(
     if not getattr(ns, "config", None):
         return ns
     sub = _command_parser(parser, ns.command)
-    sub.set_defaults(**load_config_defaults(sub, ns.config))
-    return parse(parser, argv)
+    values = load_config_defaults(sub, ns.config)
+    sub.set_defaults(**values)
+    out = parse(parser, argv)
+    # the options whose value is the file's: a later check's message names the file too (:func:`named_source`)
+    out.config_dests = frozenset(d for d, v in values.items() if getattr(out, d, None) == v)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from geomesh_p2p.config.flags import (
     FlagSpec,
     add_flags,
     flag_specs,
+    named_source,
     number_type,
     takes,
     to_argv,
@@ -285,7 +286,7 @@ def join_inputs(ns: argparse.Namespace, prog: str):
         check_memory(run, cfg)
         return run, cfg, Identity.load_or_create(ns.identity)
     except (ValueError, IdentityError, UserFacingError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {named_source(ns, e)}", file=sys.stderr)
         return None
 
 
@@ -462,7 +463,7 @@ def cmd_join(ns: argparse.Namespace) -> int:
         check_fast(ns)
         pinged = ping_bootstraps_first(ns)
     except (ValueError, UserFacingError) as e:
-        print(f"geomesh-peer join: {e}", file=sys.stderr)
+        print(f"geomesh-peer join: {named_source(ns, e)}", file=sys.stderr)
         return 2
     except DHTJoinError as e:  # another run, nothing listening: exit 1, as when the node raised it (start_error_status)
         print(f"geomesh-peer join: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ import difflib
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -588,6 +589,19 @@ def to_argv(ns: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- config files
 class ConfigFileError(ValueError):
     """The config file is missing, does not parse, names an unknown option or holds a bad value."""
+
+
+def named_source(ns: argparse.Namespace, error: BaseException) -> str:
+    """``error``'s message, and where its option's value came from when that was ``--config FILE`` (fresh user 54:
+    ``model: tiney`` in a config file was refused as ``--model tiney: unknown model preset``, naming a flag nobody
+    typed). The option is the ``--flag`` the message starts with; ``ns.config_dests``: the options whose value is the
+    file's (``peer.cli.with_config_file``); without either, the message as it is."""
+    msg = str(error)
+    m = re.match(r"--([A-Za-z0-9][A-Za-z0-9-]*)", msg)
+    dests = getattr(ns, "config_dests", None) or ()
+    if m is None or m.group(1).replace("-", "_") not in dests:
+        return msg
+    return f"{msg} (set by {m.group(1)}: in config file {getattr(ns, 'config', None)})"
 
 
 def load_config_defaults(parser: argparse.ArgumentParser, path: str | None) -> dict:

@@ -67,6 +67,12 @@ def summary_ttl_s(rounds: Sequence["RoundSummary"]) -> float:
 LEFT_AFTER_ROUNDS = 2.0
 LEFT_SLACK_S = 10.0
 MIN_ROUND_S = AUTO_WINDOW_MIN_S
+#: How long a watcher keeps listing, as ``silent``, a peer whose record expired without a ``leaving`` one
+#: (killed, hung, cut off, or a laptop asleep): as long as the summaries of its last rounds live (fresh user 54: a
+#: killed peer read ``training``, then ``behind``, then vanished from the page ~30 s after the kill, with its record).
+SILENT_KEEP_S = SUMMARY_TTL_S
+#: Most such peers a watcher keeps (the oldest go first); only records it admitted (proof of work, run config) count.
+MAX_SILENT_KEPT = 1024
 #: Most characters of a record string shown anywhere.
 MAX_TEXT = 64
 #: Most rounds a watcher keeps in memory.
@@ -297,6 +303,8 @@ class SwarmWatcher:
         self._rounds_bytes = json.dumps({"run_id": self.run_id, "rounds": []}).encode()
         self._task: Optional[asyncio.Task] = None
         self._admissions: Dict[int, Any] = {}
+        #: the last admitted record of every peer read, by peer id (:meth:`_silent`), oldest first
+        self._seen: Dict[str, PeerRecord] = {}
         self._plans = PlanReader(node)  # assembles chunked plans; remembers the last ones read
         self.refreshes = 0
         self.last_error: Optional[str] = None
@@ -350,6 +358,7 @@ class SwarmWatcher:
         if self.self_id is not None:
             recs = [r for r in recs if r.peer_id != self.self_id]
         peers, ignored = self._admitted(recs)
+        silent = self._silent(peers, now)
         known = {r.peer_id for r in peers}
         active = [r for r in peers if not r.leaving] or peers
         rounds = Counter(r.round for r in active)
@@ -359,12 +368,31 @@ class SwarmWatcher:
             plan = await self._plan(current - 1, known)
         await self._read_summaries(known, current)
         members = set(plan.participants()) if plan is not None and plan.round == current else None
-        self._swarm = self._build(now, peers, ignored, current, plan, members)
+        self._swarm = self._build(now, peers, ignored, current, plan, members, silent)
         self._swarm_bytes = json.dumps(self._swarm, allow_nan=False).encode()
         self._rounds_bytes = json.dumps(self._rounds_view(), allow_nan=False).encode()
         self.refreshes += 1
         self.last_error = None
         return self._swarm
+
+    def _silent(self, peers: List[PeerRecord], now: float) -> List[PeerRecord]:
+        """The peers this watcher read before whose record is gone now (expired: no process stored it again) and
+        was not a ``leaving`` one, newest record last: listed as ``silent`` for ``SILENT_KEEP_S`` seconds after
+        their last store, or until a record of theirs is read again. Remembers ``peers`` (admitted records only,
+        so what a flood of free identities stores never gets here) for the next reads; at most
+        ``MAX_SILENT_KEPT`` peers that are gone are kept. ``now``: swarm time."""
+        for r in peers:
+            self._seen.pop(r.peer_id, None)  # re-inserted: the dict's order is the order of the last reads
+            self._seen[r.peer_id] = r
+        live = {r.peer_id for r in peers}
+        gone = [r for pid, r in self._seen.items() if pid not in live]
+        for r in gone:
+            if r.leaving or now - r.timestamp > SILENT_KEEP_S:
+                del self._seen[r.peer_id]
+        gone = [r for r in gone if r.peer_id in self._seen]
+        for r in gone[: max(0, len(gone) - MAX_SILENT_KEPT)]:
+            del self._seen[r.peer_id]
+        return gone[-MAX_SILENT_KEPT:]
 
     async def _plan(self, r: int, known: set):
         try:
@@ -412,10 +440,12 @@ class SwarmWatcher:
 
     # -------------------------------------------------------------------- building the views
     def _round_s(self, plan) -> float:
-        """The swarm's recent round length, seconds: the longest of the plan's window and the median round
-        time of each of the last 3 rounds read (0.0 when none is known)."""
+        """The swarm's recent round length, seconds: the longer of the plan's window and the median over the last 3
+        rounds read of each one's median round time (0.0 when none is known). The median, not the longest: the
+        round after a peer died waits for its part (fresh user 54: 24 s against 6-7 s), and 2 x that round plus
+        10 s outlived the dead peer's record (4 of its own rounds), so it never read ``silent``."""
         recent = [_median([x.round_s for x in self._history[r].values()]) or 0.0 for r in sorted(self._history)[-3:]]
-        return max([plan.window_s if plan is not None else 0.0, *recent])
+        return max(plan.window_s if plan is not None else 0.0, _median(recent) or 0.0)
 
     def _last_followed(self, peer_id: str) -> Dict[str, Any]:
         """``last_round`` (the newest round ``peer_id`` summarised, or None), ``last_leader`` (the short id of the
@@ -433,11 +463,16 @@ class SwarmWatcher:
                 }
         return {"last_round": None, "last_leader": None, "other_plan": False}
 
-    def _build(self, now, peers: List[PeerRecord], ignored: int, current, plan, members) -> Dict[str, Any]:
+    def _build(
+        self, now, peers: List[PeerRecord], ignored: int, current, plan, members, silent: Sequence[PeerRecord] = ()
+    ) -> Dict[str, Any]:
+        """The swarm view of ``peers`` (the live admitted records) at swarm time ``now``; ``silent``: peers whose
+        record expired (:meth:`_silent`), listed as ``silent`` and counted in nothing else (round, digests)."""
         assign = {a.peer_id: a for a in plan.assignments} if plan is not None else {}
         round_s = self._round_s(plan)
+        expired = {r.peer_id for r in silent}
         rows = []
-        for r in peers:
+        for r in [*peers, *silent]:
             a = assign.get(r.peer_id)
             last = self._last_followed(r.peer_id)
             rows.append(
@@ -450,7 +485,7 @@ class SwarmWatcher:
                     "up_mbps": round(r.upload_bps * 8e-6, 2),
                     "down_mbps": round(r.download_bps * 8e-6, 2),
                     "round": r.round,
-                    "state": _state(r, members, current, now, round_s),
+                    "state": "silent" if r.peer_id in expired else _state(r, members, current, now, round_s),
                     "last_seen_s": round(max(0.0, now - r.timestamp), 1),
                     "address": clean_text(r.address) if r.address else None,
                     "version": clean_text(r.version, 24),
