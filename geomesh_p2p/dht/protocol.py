@@ -49,6 +49,12 @@ log = logging.getLogger("geomesh_p2p.dht.node")
 
 #: The latest time (unix seconds) a ping answer may state, as ``PeerRecord.timestamp`` (year 5138).
 MAX_PING_TIME = 1e11
+#: Longest round trip (seconds, this machine's clock) of a ping whose answer replaces the clock sample of a contact that
+#: has one: NTP's one-exchange estimate (:func:`ping_offset`) is off by up to half the round trip, and a peer paused or
+#: whose event loop stalled mid-ping (the reply waits unread, or the request leaves late) measured 3-9 s round trips,
+#: which moved its swarm time 1.5-4.5 s at once (red team 54; under ``CLOCK_JUMP_S`` a change is followed as drift).
+#: A contact's first sample is kept whatever its round trip (a join needs one).
+MAX_CLOCK_RTT_S = 1.0
 
 
 def ping_offset(their_time: float, t0: float, t1: float) -> Optional[float]:
@@ -130,8 +136,9 @@ class DHTProtocol(DHTContacts):
             if expected is not None:
                 self._on_failure(Contact(expected, address))
             raise err
-        offset = ping_offset(resp.time, t0, self._clock())
-        if offset is not None:
+        t1 = self._clock()
+        offset = ping_offset(resp.time, t0, t1)
+        if offset is not None and (0.0 <= t1 - t0 <= MAX_CLOCK_RTT_S or contact.peer_id not in self._offsets):
             if len(self._offsets) > 64 * self.k:
                 self._offsets.clear()
             self._offsets[contact.peer_id] = offset
