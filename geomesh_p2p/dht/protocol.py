@@ -53,8 +53,12 @@ MAX_PING_TIME = 1e11
 #: has one: NTP's one-exchange estimate (:func:`ping_offset`) is off by up to half the round trip, and a peer paused or
 #: whose event loop stalled mid-ping (the reply waits unread, or the request leaves late) measured 3-9 s round trips,
 #: which moved its swarm time 1.5-4.5 s at once (red team 54; under ``CLOCK_JUMP_S`` a change is followed as drift).
-#: A contact's first sample is kept whatever its round trip (a join needs one).
+#: A contact's first sample is kept whatever its round trip (a join needs one), and on a slow link a round trip up to
+#: ``CLOCK_RTT_SLACK`` x the shortest that contact answered in is still taken, up to ``MAX_SLOW_CLOCK_RTT_S`` (an
+#: estimate off by at most 1.25 s, well under the rounds' 5 s ``late_pull_s``).
 MAX_CLOCK_RTT_S = 1.0
+CLOCK_RTT_SLACK = 2.0
+MAX_SLOW_CLOCK_RTT_S = 2.5
 
 
 def ping_offset(their_time: float, t0: float, t1: float) -> Optional[float]:
@@ -123,6 +127,19 @@ class DHTProtocol(DHTContacts):
             raise RpcError(address, method, grpc.StatusCode.DATA_LOSS, f"malformed reply: {e}") from None
         return contact, response
 
+    def _clock_sample_ok(self, peer: PeerID, rtt: float) -> bool:
+        """Whether a ping to ``peer`` of round trip ``rtt`` (seconds, this machine's clock) may replace its clock sample
+        (:data:`MAX_CLOCK_RTT_S`): its first one, or a round trip from 0 to the larger of ``MAX_CLOCK_RTT_S`` and
+        ``CLOCK_RTT_SLACK`` x the shortest seen from ``peer`` (which it updates), at most ``MAX_SLOW_CLOCK_RTT_S``. A
+        negative one (this machine's clock stepped back mid-call) never replaces one."""
+        best = self._best_rtt.get(peer)
+        if rtt >= 0.0 and (best is None or rtt < best):
+            self._best_rtt[peer] = best = rtt
+        if peer not in self._offsets:
+            return True
+        slow = min(CLOCK_RTT_SLACK * (best if best is not None else 0.0), MAX_SLOW_CLOCK_RTT_S)
+        return 0.0 <= rtt <= max(MAX_CLOCK_RTT_S, slow)
+
     async def ping(self, address: str, *, expected: Optional[PeerID] = None) -> Contact:
         """Ping ``address``; on an answer, add the node to the routing table and return its Contact.
 
@@ -138,9 +155,10 @@ class DHTProtocol(DHTContacts):
             raise err
         t1 = self._clock()
         offset = ping_offset(resp.time, t0, t1)
-        if offset is not None and (0.0 <= t1 - t0 <= MAX_CLOCK_RTT_S or contact.peer_id not in self._offsets):
+        if offset is not None and self._clock_sample_ok(contact.peer_id, t1 - t0):
             if len(self._offsets) > 64 * self.k:
                 self._offsets.clear()
+                self._best_rtt.clear()
             self._offsets[contact.peer_id] = offset
         check_ping_protocol(address, resp)
         self._on_contact(contact)

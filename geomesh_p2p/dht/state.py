@@ -273,6 +273,7 @@ class DHTNodeState:
         self._clock_jumps: List[float] = []  # unconfirmed offset changes, seconds (see DHTJoin._measure_clock)
         self._clock_anchor: Optional[float] = None  # swarm time minus the steady clock at join (DHTJoin)
         self._offsets: Dict[PeerID, float] = {}  # last measured offset per node that answered a ping
+        self._best_rtt: Dict[PeerID, float] = {}  # shortest ping round trip per such node, seconds
         # Local storage (hivemind TimedStorage) evicts by time.time(): its expirations are shifted from
         # swarm time by this much (clock bias of an injected clock + measured offset).
         self._clock_bias = clock() - time.time()

@@ -86,3 +86,20 @@ async def test_a_ping_sent_late_after_a_pause_does_not_move_swarm_time(pause_s):
     assert await node.ping_bootstraps() == 1
     err = node.now() - c.true()
     assert abs(err) < 1.0, f"swarm time off by {err:+.2f} s after one ping sent {pause_s} s late"
+
+
+async def test_a_slow_link_keeps_following_the_bootstraps_clock():
+    """The bound is relative on a slow link: a bootstrap that always answers in 1.5 s (a satellite link under load)
+    still moves this node's offset (its estimate is off by at most 0.75 s there), and a pause on top of it does not."""
+    c = Clocks()
+    node = _node_and_bootstrap(c, 1.5)
+    boot = next(iter(node._offsets))
+    c.elapsed = 30.0
+    assert await node.ping_bootstraps() == 1  # 1.5 s: the shortest yet, taken (its error: the 0.75 s below)
+    assert node._best_rtt[boot] == pytest.approx(1.502)
+    assert node._offsets[boot] == pytest.approx(-0.749, abs=1e-3)
+    node2 = _node_and_bootstrap(c, 1.5 + 9.0)
+    node2._best_rtt[next(iter(node2._offsets))] = 1.502
+    before = node2.now() - c.true()
+    assert await node2.ping_bootstraps() == 1  # 10.5 s: over 2 x 1.5 s, not taken
+    assert node2.now() - c.true() == pytest.approx(before)
