@@ -3,7 +3,7 @@
 Method: GeoMesh (arXiv 2609.18388). Architecture and protocol: DESIGN.md.
 """
 
-__version__ = "0.19.1"
+__version__ = "0.19.2"
 #: 2: plans (plan.wire) and verified-work evidence (trust.evidence, wire v2) compact and chunked past one DHT
 #: value (dht.chunked); 1: plain JSON plans, evidence as one signed value
 PROTOCOL_VERSION = 2
