@@ -19,24 +19,27 @@ from geomesh_p2p.trust.verify_task import VerifyConfig
 cfg = VerifyConfig()
 
 
-def low(asg, ctrl, js, H, share, min_rows):
-    """``low`` of the drawn steps ``js`` of a claim of ``H`` steps under the rule (share, min_rows); None: < 2 settled."""
+def low(asg, ctrl, js, H, share, min_rows, min_tokens=0, seq_len=0):
+    """``low`` of the drawn steps ``js`` of a claim of ``H`` steps under the rule (share, min_rows, min_tokens: the
+    lowest batches holding at least that many tokens of ``seq_len`` a row); None: fewer than 2 settled batches."""
     kept = [asg[j] for j in js if j < H - cfg.gain_settle_steps]
     if len(kept) < 2:
         return None
     means = [sum(b) / len(b) for b in kept]
     order = sorted(range(len(kept)), key=lambda j: (means[j], j))
     n = max(2, math.ceil(share * len(kept) - 1e-9), math.ceil(min_rows / len(kept[0])))
+    if min_tokens:
+        n = max(2, math.ceil(min_tokens / (len(kept[0]) * seq_len)))
     return welch_t([g for j in order[:n] for g in kept[j]], [g for b in ctrl for g in b])
 
 
-RULES = [(0.5, 0), (0.25, 12)]
+RULES = [(0.5, 0, 0), (0.25, 12, 0), (0, 0, 1024), (0, 0, 1536)]
 
 
 def main() -> None:
     for path in sys.argv[1].split(","):
         d = json.load(open(path))
-        for share, mr in RULES:
+        for share, mr, mt in RULES:
             rng, out = random.Random(0), {}
             for key, v in d["rows"].items():
                 _, H, name = key.split("/", 2)
@@ -46,11 +49,11 @@ def main() -> None:
                 for _ in range(400):
                     js = sorted(rng.sample(range(H), min(d["k"], H)))
                     g = gain_of([asg[j] for j in js], ctrl)
-                    lo = low(asg, ctrl, js, H, share, mr)
+                    lo = low(asg, ctrl, js, H, share, mr, mt, d.get("seq_len", 64))
                     old = 2 if g.t < cfg.gain_t_hard else 1 if g.t < cfg.gain_t_min else 0
                     by_low = 0 if lo is None or lo >= cfg.gain_low_min else 2 if lo < cfg.gain_low_hard else 1
                     out.setdefault((H, name), []).append((lo, max(old, by_low) if g.t >= cfg.gain_t_hard else old))
-            print(f"{path} batch {d['batch']} share {share} min_rows {mr}")
+            print(f"{path} batch {d['batch']} seq {d.get('seq_len')} share {share} min_rows {mr} min_tokens {mt}")
             for (H, name), rows in sorted(out.items()):
                 lows = sorted(x[0] for x in rows if x[0] is not None)
                 fail = sum(x[1] >= 2 for x in rows) / len(rows)
