@@ -12,12 +12,16 @@ The directory is made by :class:`tempfile.TemporaryDirectory` under ``dir`` (def
 store is garbage-collected or the interpreter exits (the class's finalizer). On a tmpfs ``/tmp`` the files
 still take RAM (shared memory, outside the process's RSS): point ``TMPDIR`` at a disk there.
 
-A process that dies without either (SIGKILL, the kernel's OOM killer, a power cut) leaves its directory behind: up to
-``keep_rounds`` x 4P bytes (1.4 GB at ``gpt2-124m``), again at every crash of a restarted peer (132 such folders, up to
-340 MB each, had piled up in this machine's ``/tmp`` from killed test peers). So each store holds an exclusive
-``flock`` on a lock file in its directory while it is open (the kernel releases it when the process dies, however it
-dies, and across PID namespaces), and a new store removes the sibling directories whose lock it can take
-(:func:`sweep_orphans`).
+A process that dies without either (SIGKILL, the kernel's OOM killer, a power cut) left its files behind: up to
+``keep_rounds`` x 4P bytes (1.4 GB at ``gpt2-124m``; on a tmpfs ``/tmp``, RAM until a reboot, after an OOM kill of all
+things), again at every crash of a restarted peer (132 such folders, up to 340 MB each, had piled up in this machine's
+``/tmp`` from killed test peers). So, where the system has them (Linux: ``O_TMPFILE`` and ``/proc/self/fd``), the
+files have **no name** (:attr:`KeptWeights.unnamed`): each is an open descriptor of this process, mapped through
+``/proc/self/fd/N``, and the kernel frees it when the process ends, however it ends (fresh user 54: 34 MB of killed
+peers' folders in ``/tmp``). Elsewhere the files are named, and each store holds an exclusive ``flock`` on a lock file
+in its directory while it is open (the kernel releases it when the process dies, however it dies, and across PID
+namespaces), and a new store removes the sibling directories whose lock it can take (:func:`sweep_orphans`); both
+kinds of store hold the lock, so a killed unnamed store's empty directory is swept the same way.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class KeptWeights:
         self._numel: dict[int, int] = {}
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # held through a file's write and close's removal (:meth:`_write`)
+        #: the unnamed files' descriptors by file name (``theta-R.f32``, ``blob-R.bin``); None: named files
+        self._fds: Optional[dict[str, int]] = {} if _unnamed_supported(self.path) else None
 
     def _file(self, round: int) -> str:
         return os.path.join(self.path, f"theta-{int(round)}.f32")
@@ -126,7 +132,11 @@ class KeptWeights:
             return None
         if n == 0:
             return torch.empty(0, dtype=torch.float32)
-        t = torch.from_file(self._file(round), shared=False, size=n, dtype=torch.float32)
+        with self._writing:  # a descriptor is closed (and its number reused) only under this lock
+            path = self._readable(self._file(round))
+            if path is None:
+                return None
+            t = torch.from_file(path, shared=False, size=n, dtype=torch.float32)
         # marks the map for load_for_check, which hands a check's pages back between its uses (issue 27)
         setattr(t, FILE_MAP_ATTR, (t.data_ptr(), t.data_ptr() + 4 * n))
         _MAPS[id(t)] = t
@@ -147,6 +157,19 @@ class KeptWeights:
         self._write(self._blob_file(round), write)
         return len(data)
 
+    @property
+    def unnamed(self) -> bool:
+        """Whether this store's files have no name (freed by the kernel when the process ends; module docstring)."""
+        return self._fds is not None
+
+    def _readable(self, path: str) -> Optional[str]:
+        """A path that opens the file :meth:`_write` put at ``path``: ``path`` itself, or for an unnamed file its
+        ``/proc/self/fd/N`` (None when there is none). Call it holding ``_writing``."""
+        if self._fds is None:
+            return path
+        fd = self._fds.get(os.path.basename(path))
+        return None if fd is None else f"/proc/self/fd/{fd}"
+
     def _write(self, path: str, write: Callable[[str], Any]) -> None:
         """``write(part)`` a new file, then put it in ``path``'s place, under the store's write lock.
 
@@ -158,22 +181,38 @@ class KeptWeights:
         with self._writing:
             if self._tmp is None:
                 raise RuntimeError("the kept weights' store is closed")
+            if self._fds is not None:
+                fd = os.open(self.path, os.O_TMPFILE | os.O_RDWR, 0o600)
+                try:
+                    write(f"/proc/self/fd/{fd}")
+                except BaseException:
+                    os.close(fd)
+                    raise
+                old = self._fds.pop(os.path.basename(path), None)
+                self._fds[os.path.basename(path)] = fd
+                if old is not None:
+                    os.close(old)  # a tensor mapping the old file keeps it (the map holds the inode), as a rename did
+                return
             part = path + ".part"
             try:
                 write(part)
                 os.replace(part, path)
             except BaseException:
-                self._remove(part)
-                self._remove(path)
+                _unlink(part)
+                _unlink(path)
                 raise
 
     def get_blob(self, round: int) -> Optional[bytes]:
         """The bytes of :meth:`put_blob` for ``round``, or None (none written, or dropped)."""
-        try:
-            with open(self._blob_file(round), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, TypeError):
-            return None
+        with self._writing:
+            path = self._readable(self._blob_file(round))
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except (FileNotFoundError, TypeError):
+                return None
 
     def drop(self, round: int) -> None:
         """Forget round ``round`` and delete its files (a tensor :meth:`get` returned stays readable until
@@ -184,14 +223,35 @@ class KeptWeights:
             self._remove(self._file(round))
         self._remove(self._blob_file(round))
 
+    def _remove(self, path: str) -> None:
+        """Delete the file :meth:`_write` put at ``path`` (close an unnamed one's descriptor); nothing when none."""
+        if self._fds is not None:
+            with self._writing:
+                fd = self._fds.pop(os.path.basename(path), None) if self._fds is not None else None
+            if fd is not None:
+                os.close(fd)
+            return
+        _unlink(path)
+
     def rounds(self) -> list[int]:
         """The rounds kept, ascending."""
         with self._lock:
             return sorted(self._numel)
 
     def files(self) -> list[str]:
-        """The names of the rounds' files in the store's directory (for tests and diagnostics; the lock file left out)."""
+        """The names of the rounds' files (for tests and diagnostics): in the store's directory, the lock file left
+        out, or an unnamed store's (the names it keeps them by)."""
+        if self._fds is not None:
+            with self._writing:
+                return sorted(self._fds) if self._fds is not None else []
         return sorted(n for n in os.listdir(self.path) if n != LOCK_NAME) if os.path.isdir(self.path) else []
+
+    def nbytes(self) -> int:
+        """Bytes the store's files hold now (for tests and diagnostics)."""
+        with self._writing:
+            if self._fds is not None:
+                return sum(os.fstat(fd).st_size for fd in self._fds.values())
+        return sum(os.path.getsize(os.path.join(self.path, n)) for n in self.files())
 
     @property
     def closed(self) -> bool:
@@ -201,6 +261,11 @@ class KeptWeights:
         """Delete every file and the directory. Safe to call twice."""
         with self._writing:  # after a write under way (:meth:`_write`)
             tmp, self._tmp = self._tmp, None
+            fds = list(self._fds.values()) if self._fds is not None else []
+            if self._fds is not None:
+                self._fds.clear()
+        for fd in fds:
+            os.close(fd)
         with self._lock:
             self._numel.clear()
         if tmp is not None:
@@ -208,12 +273,32 @@ class KeptWeights:
         if self._unlock is not None:
             self._unlock()  # after the removal (once): a sweeper never takes the lock of a directory being emptied
 
-    @staticmethod
-    def _remove(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unnamed_supported(directory: str) -> bool:
+    """Whether files without a name can be made in ``directory`` and opened again by this process through
+    ``/proc/self/fd`` (Linux's ``O_TMPFILE`` on a file system that has it, and procfs mounted)."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return False
+    try:
+        fd = os.open(directory, flag | os.O_RDWR, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"x")
+        with open(f"/proc/self/fd/{fd}", "rb") as f:
+            return f.read() == b"x"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _hold_lock(path: str) -> Optional[int]:

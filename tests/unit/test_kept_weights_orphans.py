@@ -17,22 +17,48 @@ from geomesh_p2p.trust.kept_weights import LOCK_NAME, PREFIX, KeptWeights, sweep
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_killed_processs_store_is_removed_by_the_next_and_a_live_ones_is_kept(tmp_path, monkeypatch):
-    child = subprocess.Popen(
+def _store_in_child(tmp_path, named: bool) -> subprocess.Popen:
+    """A child process with a store of round 3 under ``tmp_path`` (its path on the first line of its stdout); it waits
+    on stdin. ``named``: named files (as where ``O_TMPFILE`` is missing), else the system's default."""
+    force = "kept_weights._unnamed_supported = lambda d: False\n" if named else ""
+    return subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, torch; from geomesh_p2p.trust.kept_weights import KeptWeights\n"
-            f"k = KeptWeights(dir={str(tmp_path)!r}); k.put(3, torch.ones(1000)); print(k.path, flush=True)\n"
-            "sys.stdin.read()",
+            "import sys, torch; from geomesh_p2p.trust import kept_weights\n"
+            f"{force}k = kept_weights.KeptWeights(dir={str(tmp_path)!r}); k.put(3, torch.ones(1000))\n"
+            "print(k.path, k.unnamed, flush=True)\nsys.stdin.read()",
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
+
+
+def test_a_killed_processs_unnamed_files_go_with_it(tmp_path):
+    """Fresh user 54: killed peers left their kept weights in /tmp until a later peer swept them (on a tmpfs: RAM).
+    Unnamed files (Linux ``O_TMPFILE``) are the process's: its directory holds the lock file only, alive or dead."""
+    child = _store_in_child(tmp_path, named=False)
     try:
-        dead = child.stdout.readline().strip()
+        path, unnamed = child.stdout.readline().split()
+        assert unnamed == "True"  # this machine has O_TMPFILE and /proc (Linux)
+        assert os.listdir(path) == [LOCK_NAME]
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        assert os.listdir(path) == [LOCK_NAME]  # nothing of the 4,000 bytes to sweep; the empty folder is swept
+        assert sweep_orphans(str(tmp_path)) == [path] and os.listdir(tmp_path) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+
+
+def test_a_killed_processs_store_is_removed_by_the_next_and_a_live_ones_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(kept_weights, "_unnamed_supported", lambda d: False)  # named files, as without O_TMPFILE
+    child = _store_in_child(tmp_path, named=True)
+    try:
+        dead = child.stdout.readline().split()[0]
         assert sorted(os.listdir(dead)) == [LOCK_NAME, "theta-3.f32"]
         live = KeptWeights(dir=str(tmp_path))
         live.put(1, torch.zeros(10))

@@ -301,5 +301,7 @@ def test_ddp_step_equals_adamw_on_the_union_of_the_peers_batches(tmp_path):
     ref.accumulate_grad(batch)
     ref._set_lr()
     ref.optimizer.step()
-    torch.testing.assert_close(theta, flat_params(model), rtol=1e-4, atol=1e-6)
+    # AdamW's first step is lr x g / (|g| + eps), 1e-3 wherever |g| >> eps; where |g| is near eps (1e-8) the two sums'
+    # last bits move it by a few 1e-6 (an Intel AVX-512 box: 3.2e-6 on 1 of 937,472 elements), so 1 % of the step
+    torch.testing.assert_close(theta, flat_params(model), rtol=1e-4, atol=1e-5)
     assert not torch.equal(theta, theta0)

@@ -15,6 +15,7 @@ from geomesh_p2p.model.build import count_params
 import geomesh_p2p.model.profile
 from geomesh_p2p.model.run_memory import memory_budget_problem, run_memory_estimate
 from geomesh_p2p.net.identity import Identity
+from geomesh_p2p.trust import kept_weights
 from geomesh_p2p.trust.kept_weights import KeptWeights
 from geomesh_p2p.trust.verify import WorkVerifier
 from geomesh_p2p.trust.verify_task import VerifyConfig
@@ -38,12 +39,18 @@ def _awkward(n: int, seed: int) -> torch.Tensor:
     return t
 
 
-def test_kept_weights_read_back_bitwise_and_files_go(tmp_path):
+@pytest.mark.parametrize("unnamed", [False, True])
+def test_kept_weights_read_back_bitwise_and_files_go(tmp_path, monkeypatch, unnamed):
+    if not unnamed:
+        monkeypatch.setattr(kept_weights, "_unnamed_supported", lambda d: False)
     store = KeptWeights(str(tmp_path))
+    assert store.unnamed == unnamed
     theta = _awkward(1000, 0)
     assert store.put(7, theta) == 4000
     assert store.files() == ["theta-7.f32"]
-    assert os.path.getsize(os.path.join(store.path, "theta-7.f32")) == 4000
+    assert store.nbytes() == 4000
+    # unnamed: the directory holds the lock file only (the kernel frees the files with the process)
+    assert sorted(os.listdir(store.path)) == [".owner.lock"] + ([] if unnamed else ["theta-7.f32"])
     want = _bits(theta)
     theta.add_(1.0)  # the caller's buffer moves on (the outer step): the kept round does not
     got = store.get(7)
