@@ -257,7 +257,9 @@ class DHTJoin(DHTLookup):
         answered = [r for r in results if isinstance(r, Contact)]
         for c in answered:
             self.bootstrap_peers[c.peer_id] = c.address
-        self._measure_clock(answered, refuse=False)
+        # the samples these pings replaced only (DHTProtocol._clock_sample_ok: one of a long round trip is neither
+        # followed nor counted, nor is the older sample it left in place)
+        self._measure_clock([c for c in answered if self._sample_fresh.get(c.peer_id)], refuse=False)
         if not answered and all(_clock_refusal(r) for r in results):
             self._on_clock_refused(results)
         return len(answered)

@@ -118,6 +118,11 @@ MAX_CACHED_TARGETS = 64
 MIN_READ_WAIT_S = 0.1
 
 
+#: A store counts at most this many RPC timeouts in ``store_times`` (:meth:`DHTNode.recent_store_s`): its lookup's
+#: rounds and its stores, each bounded by the timeout (12 s at the default 3 s; stores under load took seconds).
+STORE_TIME_CAP_RPCS = 4
+
+
 class DHTNode(DHTJoin):
     """One Kademlia node over a :class:`~geomesh_p2p.net.transport.Transport` (k=20, alpha=3 by default).
 
@@ -200,7 +205,8 @@ class DHTNode(DHTJoin):
         self._serve()
 
     def recent_store_s(self) -> float:
-        """The longest of this node's last 32 stores, in seconds (0.0 before the first)."""
+        """The longest of this node's last 32 stores, in seconds (0.0 before the first), each counted at most
+        ``STORE_TIME_CAP_RPCS`` x ``rpc_timeout_s``."""
         return max(self.store_times, default=0.0)
 
     @classmethod
@@ -253,7 +259,10 @@ class DHTNode(DHTJoin):
         self._published[(vr.key_id, vr.subkey)] = rec
         t0 = time.monotonic()
         ok = await self._replicate({vr.key_id: [rec]}, reuse_targets=True)
-        self.store_times.append(time.monotonic() - t0)
+        # at most what a store's RPCs can take (a lookup's rounds and the stores, each under the rpc timeout): a longer
+        # one is this process paused or its loop stalled, not the network (red team 54b: one 600 s SIGSTOP mid-store
+        # made the next 32 records live 2,400 s and plans settle 600 s)
+        self.store_times.append(min(time.monotonic() - t0, STORE_TIME_CAP_RPCS * self.rpc_timeout_s))
         return ok[vr.key_id][0]
 
     async def store_record(self, rec: SignedRecord) -> bool:

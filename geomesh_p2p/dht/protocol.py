@@ -7,6 +7,7 @@ contact names) and the handlers it serves (``_rpc_ping``, ``_rpc_store``, ``_rpc
 from __future__ import annotations
 
 import logging
+import collections
 import math
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -53,12 +54,14 @@ MAX_PING_TIME = 1e11
 #: has one: NTP's one-exchange estimate (:func:`ping_offset`) is off by up to half the round trip, and a peer paused or
 #: whose event loop stalled mid-ping (the reply waits unread, or the request leaves late) measured 3-9 s round trips,
 #: which moved its swarm time 1.5-4.5 s at once (red team 54; under ``CLOCK_JUMP_S`` a change is followed as drift).
-#: A contact's first sample is kept whatever its round trip (a join needs one), and on a slow link a round trip up to
-#: ``CLOCK_RTT_SLACK`` x the shortest that contact answered in is still taken, up to ``MAX_SLOW_CLOCK_RTT_S`` (an
-#: estimate off by at most 1.25 s, well under the rounds' 5 s ``late_pull_s``).
+#: A bootstrap's first sample is kept whatever its round trip (a join needs one), and on a slow link a round trip up to
+#: ``CLOCK_RTT_SLACK`` x the shortest of its last ``CLOCK_RTT_WINDOW`` pings is still taken, up to
+#: ``MAX_SLOW_CLOCK_RTT_S`` (an estimate off by at most 1.25 s, well under the rounds' 5 s ``late_pull_s``). The window,
+#: not the shortest ever: a link fast at join and 1.2 s from then on was never followed again (red team 54b).
 MAX_CLOCK_RTT_S = 1.0
 CLOCK_RTT_SLACK = 2.0
 MAX_SLOW_CLOCK_RTT_S = 2.5
+CLOCK_RTT_WINDOW = 4
 
 
 def ping_offset(their_time: float, t0: float, t1: float) -> Optional[float]:
@@ -128,17 +131,15 @@ class DHTProtocol(DHTContacts):
         return contact, response
 
     def _clock_sample_ok(self, peer: PeerID, rtt: float) -> bool:
-        """Whether a ping to ``peer`` of round trip ``rtt`` (seconds, this machine's clock) may replace its clock sample
-        (:data:`MAX_CLOCK_RTT_S`): its first one, or a round trip from 0 to the larger of ``MAX_CLOCK_RTT_S`` and
-        ``CLOCK_RTT_SLACK`` x the shortest seen from ``peer`` (which it updates), at most ``MAX_SLOW_CLOCK_RTT_S``. A
-        negative one (this machine's clock stepped back mid-call) never replaces one."""
-        best = self._best_rtt.get(peer)
-        if rtt >= 0.0 and (best is None or rtt < best):
-            self._best_rtt[peer] = best = rtt
+        """Whether a ping to bootstrap ``peer`` of round trip ``rtt`` (seconds, the steady clock) may replace its clock
+        sample (:data:`MAX_CLOCK_RTT_S`): its first one, or a round trip from 0 to the larger of ``MAX_CLOCK_RTT_S``
+        and ``CLOCK_RTT_SLACK`` x the shortest of its last ``CLOCK_RTT_WINDOW`` (this one included, which it
+        records), at most ``MAX_SLOW_CLOCK_RTT_S``."""
+        recent = self._rtts.setdefault(peer, collections.deque(maxlen=CLOCK_RTT_WINDOW))
+        recent.append(max(0.0, rtt))
         if peer not in self._offsets:
             return True
-        slow = min(CLOCK_RTT_SLACK * (best if best is not None else 0.0), MAX_SLOW_CLOCK_RTT_S)
-        return 0.0 <= rtt <= max(MAX_CLOCK_RTT_S, slow)
+        return 0.0 <= rtt <= max(MAX_CLOCK_RTT_S, min(CLOCK_RTT_SLACK * min(recent), MAX_SLOW_CLOCK_RTT_S))
 
     async def ping(self, address: str, *, expected: Optional[PeerID] = None) -> Contact:
         """Ping ``address``; on an answer, add the node to the routing table and return its Contact.
@@ -146,20 +147,22 @@ class DHTProtocol(DHTContacts):
         Raises RpcError when it does not answer or refuses, DHTJoinError on a DHT protocol mismatch.
         """
         req = ping_request(self.self_info())
-        t0 = self._clock()
+        t0, s0 = self._clock(), self._rtt_clock()
         try:
             contact, resp = await self._call(address, DHT_PING, req, dht_pb2.PingResponse, expected)
         except RpcError as err:
             if expected is not None:
                 self._on_failure(Contact(expected, address))
             raise err
-        t1 = self._clock()
+        t1, rtt = self._clock(), self._rtt_clock() - s0
         offset = ping_offset(resp.time, t0, t1)
-        if offset is not None and self._clock_sample_ok(contact.peer_id, t1 - t0):
-            if len(self._offsets) > 64 * self.k:
-                self._offsets.clear()
-                self._best_rtt.clear()
-            self._offsets[contact.peer_id] = offset
+        # only a bootstrap's time is followed (DHTJoin._measure_clock): the table holds those alone, so no eviction
+        # ever drops a bootstrap's sample (a "first" sample is taken whatever its round trip: red team 54b)
+        if offset is not None and address in self.bootstrap_addresses:
+            fresh = self._clock_sample_ok(contact.peer_id, rtt)
+            self._sample_fresh[contact.peer_id] = fresh
+            if fresh:
+                self._offsets[contact.peer_id] = offset
         check_ping_protocol(address, resp)
         self._on_contact(contact)
         return contact

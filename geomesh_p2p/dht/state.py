@@ -18,7 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import grpc
 from hivemind.dht.node import Blacklist
@@ -272,8 +272,14 @@ class DHTNodeState:
         self._measured_offset_s = 0.0
         self._clock_jumps: List[float] = []  # unconfirmed offset changes, seconds (see DHTJoin._measure_clock)
         self._clock_anchor: Optional[float] = None  # swarm time minus the steady clock at join (DHTJoin)
-        self._offsets: Dict[PeerID, float] = {}  # last measured offset per node that answered a ping
-        self._best_rtt: Dict[PeerID, float] = {}  # shortest ping round trip per such node, seconds
+        self._offsets: Dict[PeerID, float] = {}  # last measured offset per bootstrap that answered a ping
+        # each bootstrap's last CLOCK_RTT_WINDOW ping round trips, seconds (DHTProtocol._clock_sample_ok), measured on
+        # the steady clock (a step of the wall clock mid-ping is no round trip)
+        self._rtts: Dict[PeerID, Deque[float]] = {}
+        self._rtt_clock: Callable[[], float] = steady_clock if steady_clock is not None else clock
+        # whether each bootstrap's last ping replaced its sample (a refused one neither votes nor is followed: it was
+        # measured against the wall clock of its time, which a step since moved; red team 54b)
+        self._sample_fresh: Dict[PeerID, bool] = {}
         # Local storage (hivemind TimedStorage) evicts by time.time(): its expirations are shifted from
         # swarm time by this much (clock bias of an injected clock + measured offset).
         self._clock_bias = clock() - time.time()

@@ -376,9 +376,10 @@ class SwarmWatcher:
         return self._swarm
 
     def _silent(self, peers: List[PeerRecord], now: float) -> List[PeerRecord]:
-        """The peers this watcher read before whose record is gone now (expired: no process stored it again) and
-        was not a ``leaving`` one, newest record last: listed as ``silent`` for ``SILENT_KEEP_S`` seconds after
-        their last store, or until a record of theirs is read again. Remembers ``peers`` (admitted records only,
+        """The peers this watcher read before whose record this read did not return (expired: no process stored it
+        again; or the read missed it) and was not a ``leaving`` one, newest record last: listed (as ``silent`` once
+        their record is old enough, :func:`_state`) for ``SILENT_KEEP_S`` seconds after their last store, or until a
+        record of theirs is read again. Remembers ``peers`` (admitted records only,
         so what a flood of free identities stores never gets here) for the next reads; at most
         ``MAX_SILENT_KEPT`` peers that are gone are kept. ``now``: swarm time."""
         for r in peers:
@@ -440,12 +441,15 @@ class SwarmWatcher:
 
     # -------------------------------------------------------------------- building the views
     def _round_s(self, plan) -> float:
-        """The swarm's recent round length, seconds: the longer of the plan's window and the median over the last 3
-        rounds read of each one's median round time (0.0 when none is known). The median, not the longest: the
-        round after a peer died waits for its part (fresh user 54: 24 s against 6-7 s), and 2 x that round plus
-        10 s outlived the dead peer's record (4 of its own rounds), so it never read ``silent``."""
+        """The swarm's recent round length, seconds: the longest of the plan's window, the median over the last 3
+        rounds read of each one's median round time, and the last round's (0.0 when none is known). The median, not
+        the longest of the 3: the round after a peer died waits for its part (fresh user 54: 24 s against 6-7 s),
+        and 2 x that round plus 10 s outlived the dead peer's record (4 of its own rounds) for 3 rounds, so it never
+        read ``silent``; the last round too: a swarm that slows down (6.5 s rounds, then 40 s) stores its records
+        once a round, and the median alone called them silent in the second slow round (red team 54b)."""
         recent = [_median([x.round_s for x in self._history[r].values()]) or 0.0 for r in sorted(self._history)[-3:]]
-        return max(plan.window_s if plan is not None else 0.0, _median(recent) or 0.0)
+        last = recent[-1] if recent else 0.0
+        return max(plan.window_s if plan is not None else 0.0, _median(recent) or 0.0, last)
 
     def _last_followed(self, peer_id: str) -> Dict[str, Any]:
         """``last_round`` (the newest round ``peer_id`` summarised, or None), ``last_leader`` (the short id of the
@@ -466,11 +470,12 @@ class SwarmWatcher:
     def _build(
         self, now, peers: List[PeerRecord], ignored: int, current, plan, members, silent: Sequence[PeerRecord] = ()
     ) -> Dict[str, Any]:
-        """The swarm view of ``peers`` (the live admitted records) at swarm time ``now``; ``silent``: peers whose
-        record expired (:meth:`_silent`), listed as ``silent`` and counted in nothing else (round, digests)."""
+        """The swarm view of ``peers`` (the live admitted records) at swarm time ``now``; ``silent``: remembered peers
+        this read did not return (:meth:`_silent`), listed by their last record's state (``silent`` once it was not
+        stored again for two rounds and 10 s: a read that missed a live peer's fresh record, or came back empty, shows
+        what it showed before; red team 54b) and counted in nothing else (round, digests)."""
         assign = {a.peer_id: a for a in plan.assignments} if plan is not None else {}
         round_s = self._round_s(plan)
-        expired = {r.peer_id for r in silent}
         rows = []
         for r in [*peers, *silent]:
             a = assign.get(r.peer_id)
@@ -485,7 +490,7 @@ class SwarmWatcher:
                     "up_mbps": round(r.upload_bps * 8e-6, 2),
                     "down_mbps": round(r.download_bps * 8e-6, 2),
                     "round": r.round,
-                    "state": "silent" if r.peer_id in expired else _state(r, members, current, now, round_s),
+                    "state": _state(r, members, current, now, round_s),
                     "last_seen_s": round(max(0.0, now - r.timestamp), 1),
                     "address": clean_text(r.address) if r.address else None,
                     "version": clean_text(r.version, 24),
