@@ -231,11 +231,19 @@ def memory_budget_problem(
     fixes = "a larger --memory-budget-gb or a smaller --model"
     if verified_work:
         vw = sum(i.bytes for i in est.in_memory(device_type) if i.name.startswith("verified work"))
-        fixes += f", or --mode reencode (no verified work: {vw / _GIB:.2f} GiB less)"
+        # a run's setting (every peer's), and for trusted peers only (docs/security.md): not one volunteer's choice
+        fixes += f", or a run of trusted peers in --mode reencode (no verified work: {vw / _GIB:.2f} GiB less)"
+    # the start line ("static memory of this run") gives the estimate alone: say both when the process adds to it
+    # (fresh user 54b read 2.75 GiB there and 3.23 GiB here for one config)
+    amount = (
+        f"{need / _GIB:.2f} GiB"
+        if in_use_bytes <= 0
+        else f"{est.total(device_type) / _GIB:.2f} GiB ({need / _GIB:.2f} GiB with the {in_use_bytes / _GIB:.2f} GiB "
+        f"this process holds already)"
+    )
     return (
         f"--memory-budget-gb {budget_bytes / _GIB:.3g}: this run's static memory alone is "
-        f"{need / _GIB:.2f} GiB for {est.n_params:,} parameters before any activation (largest: {top}); "
-        f"use {fixes}"
+        f"{amount} for {est.n_params:,} parameters before any activation (largest: {top}); use {fixes}"
     )
 
 

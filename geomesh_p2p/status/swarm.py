@@ -360,7 +360,10 @@ class SwarmWatcher:
         peers, ignored = self._admitted(recs)
         silent = self._silent(peers, now)
         known = {r.peer_id for r in peers}
-        active = [r for r in peers if not r.leaving] or peers
+        # the swarm's round is that of the peers that store their records: a dead peer's record, alive until it
+        # expires, named the round and its leader after the last live peer announced leaving (fresh user 54b)
+        fresh = [r for r in peers if not _unstored_for(r, now, self._round_s(None))]
+        active = [r for r in fresh if not r.leaving] or fresh or [r for r in peers if not r.leaving] or peers
         rounds = Counter(r.round for r in active)
         current = max(rounds.items(), key=lambda kv: (kv[1], kv[0]))[0] if rounds else None
         plan = await self._plan(current, known) if current is not None else None

@@ -170,7 +170,8 @@ def test_a_budget_below_the_static_memory_fails_at_start_in_one_line(tmp_path, c
         f"{n:,} parameters before any activation (largest: inner optimizer state {2 * p / gib:.2f} GiB, "
         f"global weights + outer state {2 * p / gib:.2f} GiB, verified work: a check's weights + gradients "
         f"{2 * p / gib:.2f} GiB); "
-        f"use a larger --memory-budget-gb or a smaller --model, or --mode reencode (no verified work: "
+        f"use a larger --memory-budget-gb or a smaller --model, or a run of trusted peers in --mode reencode (no "
+        f"verified work: "
         f"{vw / gib:.2f} GiB less)"
     )
     assert not key.exists()  # refused before the identity, the proof of work and the DHT join
@@ -289,7 +290,8 @@ def test_a_budget_below_what_the_process_holds_already_fails_at_start(tmp_path, 
     contributions = 4 * 2 * (-(-n // 8) + 4 * -(-n // 2048))
     assert err.startswith(
         f"geomesh-peer join: --memory-budget-gb 0.1: this run's static memory alone is "
-        f"{(8 * p + contributions + in_use) / gib:.2f} GiB for {n:,} parameters before any activation (largest: "
+        f"{(8 * p + contributions) / gib:.2f} GiB ({(8 * p + contributions + in_use) / gib:.2f} GiB with the "
+        f"{in_use / gib:.2f} GiB this process holds already) for {n:,} parameters before any activation (largest: "
         f"in use already (Python, torch) 0.39 GiB, "
     )
     assert not key.exists()

@@ -101,3 +101,15 @@ def test_one_long_round_does_not_put_silent_past_the_records_lifetime():
     assert w._round_s(None) == 6.5
     assert _state(_rec("p", round=8, age_s=22.0), None, 9, NOW, w._round_s(None)) == "training"
     assert _state(_rec("p", round=8, age_s=24.0), None, 9, NOW, w._round_s(None)) == "silent"
+
+
+def test_the_swarms_round_is_not_a_dead_peers(monkeypatch):
+    """Fresh user 54b: after the last live peer announced leaving (round 5), the table's round went back to 4 and named
+    the peer killed 2 minutes earlier (its record, alive until it expired) as the leader."""
+    w = SwarmWatcher(object(), "run")
+    dead = _rec("dead", round=4, age_s=140.0)  # not stored for 140 s: silent (2 x 6 s + 10 s)
+    survivor = _rec("live", round=5, age_s=1.0, leaving=True)
+    view = _refresh(w, monkeypatch, [dead, survivor], NOW)
+    assert view["round"] == 5 and _states(view)["dead"][0] == "silent"
+    # while nobody else is left: the dead peer's round is all there is
+    assert _refresh(SwarmWatcher(object(), "run"), monkeypatch, [dead], NOW)["round"] == 4
