@@ -59,6 +59,16 @@ async def _join(node: DHTNode, links: list[Link]) -> None:
     node._measure_clock([Contact(x.id.peer_id, x.address) for x in links], refuse=True)
 
 
+async def _follows_in_40_pings(node: DHTNode, c: Clocks, ahead_s: float, answering: int) -> None:
+    """40 bootstrap pings, 15 s apart (10 minutes at ``bootstrap_refresh_s`` 15), each answered by ``answering``
+    bootstraps; then swarm time is within 0.7 s of the bootstraps' clock, ``ahead_s`` ahead of the true time."""
+    for _ in range(40):
+        c.elapsed += 15.0
+        assert await node.ping_bootstraps() == answering
+    swarm = c.true() + ahead_s
+    assert abs(node.now() - swarm) < 0.7, f"swarm time off by {node.now() - swarm:+.2f} s after 40 pings"
+
+
 async def test_a_link_that_became_slow_still_follows_the_bootstraps_clock():
     c = Clocks()
     boot = Link("127.0.0.1:1")
@@ -67,11 +77,7 @@ async def test_a_link_that_became_slow_still_follows_the_bootstraps_clock():
     assert node.now() == pytest.approx(c.true(), abs=0.01)
     boot.out_s = boot.back_s = 0.6  # from now on the route (or the bootstrap, under load) takes 1.2 s
     boot.ahead_s = 3.0  # the bootstraps' (the swarm's) clock was set 3 s forward
-    for _ in range(40):  # 40 bootstrap pings: 10 minutes at bootstrap_refresh_s 15
-        c.elapsed += 15.0
-        assert await node.ping_bootstraps() == 1
-    swarm = c.true() + 3.0
-    assert abs(node.now() - swarm) < 0.7, f"swarm time off by {node.now() - swarm:+.2f} s after 40 pings"
+    await _follows_in_40_pings(node, c, 3.0, answering=1)
 
 
 async def test_control_the_same_move_on_a_fast_link_is_followed():
@@ -94,11 +100,7 @@ async def test_stale_samples_of_slow_bootstraps_do_not_outvote_a_fresh_one():
         x.ahead_s = 3.0  # NTP on the bootstraps moved the swarm's clock
     for x in links[1:]:
         x.out_s = x.back_s = 0.6
-    for _ in range(40):
-        c.elapsed += 15.0
-        assert await node.ping_bootstraps() == 3
-    swarm = c.true() + 3.0
-    assert abs(node.now() - swarm) < 0.7, f"swarm time off by {node.now() - swarm:+.2f} s"
+    await _follows_in_40_pings(node, c, 3.0, answering=3)
 
 
 async def test_a_stalled_ping_after_the_offsets_table_was_cleared_does_not_move_swarm_time():
