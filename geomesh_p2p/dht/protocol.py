@@ -6,8 +6,8 @@ contact names) and the handlers it serves (``_rpc_ping``, ``_rpc_store``, ``_rpc
 
 from __future__ import annotations
 
-import logging
 import collections
+import logging
 import math
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 

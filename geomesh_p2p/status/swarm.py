@@ -303,7 +303,7 @@ class SwarmWatcher:
         self._rounds_bytes = json.dumps({"run_id": self.run_id, "rounds": []}).encode()
         self._task: Optional[asyncio.Task] = None
         self._admissions: Dict[int, Any] = {}
-        #: the last admitted record of every peer read, by peer id (:meth:`_silent`), oldest first
+        #: the last admitted record of every peer read, by peer id (:meth:`_unread`), oldest first
         self._seen: Dict[str, PeerRecord] = {}
         self._plans = PlanReader(node)  # assembles chunked plans; remembers the last ones read
         self.refreshes = 0
@@ -358,7 +358,7 @@ class SwarmWatcher:
         if self.self_id is not None:
             recs = [r for r in recs if r.peer_id != self.self_id]
         peers, ignored = self._admitted(recs)
-        silent = self._silent(peers, now)
+        unread = self._unread(peers, now)
         known = {r.peer_id for r in peers}
         # the swarm's round is that of the peers that store their records: a dead peer's record, alive until it
         # expires, named the round and its leader after the last live peer announced leaving (fresh user 54b)
@@ -371,20 +371,20 @@ class SwarmWatcher:
             plan = await self._plan(current - 1, known)
         await self._read_summaries(known, current)
         members = set(plan.participants()) if plan is not None and plan.round == current else None
-        self._swarm = self._build(now, peers, ignored, current, plan, members, silent)
+        self._swarm = self._build(now, peers, ignored, current, plan, members, unread)
         self._swarm_bytes = json.dumps(self._swarm, allow_nan=False).encode()
         self._rounds_bytes = json.dumps(self._rounds_view(), allow_nan=False).encode()
         self.refreshes += 1
         self.last_error = None
         return self._swarm
 
-    def _silent(self, peers: List[PeerRecord], now: float) -> List[PeerRecord]:
+    def _unread(self, peers: List[PeerRecord], now: float) -> List[PeerRecord]:
         """The peers this watcher read before whose record this read did not return (expired: no process stored it
         again; or the read missed it) and was not a ``leaving`` one, newest record last: listed (as ``silent`` once
         their record is old enough, :func:`_state`) for ``SILENT_KEEP_S`` seconds after their last store, or until a
-        record of theirs is read again. Remembers ``peers`` (admitted records only,
-        so what a flood of free identities stores never gets here) for the next reads; at most
-        ``MAX_SILENT_KEPT`` peers that are gone are kept. ``now``: swarm time."""
+        record of theirs is read again. Remembers ``peers`` (admitted records only, so what a flood of free
+        identities stores never gets here) for the next reads; at most ``MAX_SILENT_KEPT`` peers that are gone are
+        kept. ``now``: swarm time."""
         for r in peers:
             self._seen.pop(r.peer_id, None)  # re-inserted: the dict's order is the order of the last reads
             self._seen[r.peer_id] = r
@@ -471,16 +471,16 @@ class SwarmWatcher:
         return {"last_round": None, "last_leader": None, "other_plan": False}
 
     def _build(
-        self, now, peers: List[PeerRecord], ignored: int, current, plan, members, silent: Sequence[PeerRecord] = ()
+        self, now, peers: List[PeerRecord], ignored: int, current, plan, members, unread: Sequence[PeerRecord] = ()
     ) -> Dict[str, Any]:
-        """The swarm view of ``peers`` (the live admitted records) at swarm time ``now``; ``silent``: remembered peers
-        this read did not return (:meth:`_silent`), listed by their last record's state (``silent`` once it was not
+        """The swarm view of ``peers`` (the live admitted records) at swarm time ``now``; ``unread``: remembered peers
+        this read did not return (:meth:`_unread`), listed by their last record's state (``silent`` once it was not
         stored again for two rounds and 10 s: a read that missed a live peer's fresh record, or came back empty, shows
         what it showed before; red team 54b) and counted in nothing else (round, digests)."""
         assign = {a.peer_id: a for a in plan.assignments} if plan is not None else {}
         round_s = self._round_s(plan)
         rows = []
-        for r in [*peers, *silent]:
+        for r in [*peers, *unread]:
             a = assign.get(r.peer_id)
             last = self._last_followed(r.peer_id)
             rows.append(

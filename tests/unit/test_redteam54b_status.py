@@ -1,7 +1,7 @@
 """Red team 54b: the status view's ``silent`` rows (commit 3214312d).
 
 A watcher now remembers every admitted record it read and lists a peer whose record is missing from a later read as
-``silent`` (``SwarmWatcher._silent``), whatever the age of the record it last read; and the view's round length is the
+``silent`` (``SwarmWatcher._silent``, now ``_unread``), whatever the age of the record it last read; and the view's round length is the
 median of the last 3 rounds' (``_round_s``), which lags a swarm that slows down. Both list live, on-schedule peers as
 ``silent`` -- the state README.md defines as "a peer that did not leave and whose record was not stored again for two
 rounds plus 10 s (killed, hung, asleep or cut off)". Fixed: a remembered peer a read did not return shows its last
