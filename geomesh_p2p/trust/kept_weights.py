@@ -99,6 +99,8 @@ class KeptWeights:
         self._writing = threading.Lock()  # held through a file's write and close's removal (:meth:`_write`)
         #: the unnamed files' descriptors by file name (``theta-R.f32``, ``blob-R.bin``); None: named files
         self._fds: Optional[dict[str, int]] = {} if _unnamed_supported(self.path) else None
+        if self._fds is not None:  # a store collected without close(): its descriptors with it (as its directory)
+            weakref.finalize(self, _close_all, self._fds)
 
     def _file(self, round: int) -> str:
         return os.path.join(self.path, f"theta-{int(round)}.f32")
@@ -272,6 +274,16 @@ class KeptWeights:
             tmp.cleanup()
         if self._unlock is not None:
             self._unlock()  # after the removal (once): a sweeper never takes the lock of a directory being emptied
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    """Close an unnamed store's descriptors (its files go with them) and forget them."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _unlink(path: str) -> None:

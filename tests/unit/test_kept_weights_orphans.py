@@ -94,3 +94,15 @@ def test_a_closed_stores_lock_is_released_and_a_collected_ones_too(tmp_path):
     k2.close()
     k2.close()  # twice: the descriptor is closed once
     assert os.listdir(tmp_path) == []
+
+
+def test_a_collected_unnamed_stores_descriptors_are_closed(tmp_path):
+    k = KeptWeights(dir=str(tmp_path))
+    assert k.unnamed
+    k.put(1, torch.ones(10))
+    fd = k._fds["theta-1.f32"]
+    assert os.fstat(fd).st_size == 40
+    del k  # collected without close(): its descriptors go with it, as its directory
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert os.listdir(tmp_path) == []
