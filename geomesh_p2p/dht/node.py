@@ -119,8 +119,9 @@ MIN_READ_WAIT_S = 0.1
 
 
 #: A store counts at most this many RPC timeouts in ``store_times`` (:meth:`DHTNode.recent_store_s`): its lookup's
-#: rounds and its stores, each bounded by the timeout (12 s at the default 3 s; stores under load took seconds).
-STORE_TIME_CAP_RPCS = 4
+#: rounds and its stores, each bounded by the timeout (30 s at the default 3 s; stores under load took seconds, and
+#: plans settle by them: a cap below what a loaded swarm's stores take would split its rounds again, issue 25).
+STORE_TIME_CAP_RPCS = 10
 
 
 class DHTNode(DHTJoin):
