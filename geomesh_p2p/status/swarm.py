@@ -360,10 +360,17 @@ class SwarmWatcher:
         peers, ignored = self._admitted(recs)
         unread = self._unread(peers, now)
         known = {r.peer_id for r in peers}
-        # the swarm's round is that of the peers that store their records: a dead peer's record, alive until it
-        # expires, named the round and its leader after the last live peer announced leaving (fresh user 54b)
-        fresh = [r for r in peers if not _unstored_for(r, now, self._round_s(None))]
-        active = [r for r in fresh if not r.leaving] or fresh or [r for r in peers if not r.leaving] or peers
+        # the swarm's round: the staying peers' majority, unless every staying record is stale and leaving ones are
+        # fresh (a dead peer's record, alive until it expires, named the round and its leader after the last live peer
+        # announced leaving: fresh user 54b). Not the fresh records alone: in a swarm of 120 s rounds one resumed
+        # peer that stored a second ago named its own round for everyone (red team 54c)
+        staying = [r for r in peers if not r.leaving]
+        stale = self._round_s(None)
+        fresh = [r for r in peers if not _unstored_for(r, now, stale)]
+        if staying and fresh and all(_unstored_for(r, now, stale) for r in staying):
+            active = fresh
+        else:
+            active = staying or peers
         rounds = Counter(r.round for r in active)
         current = max(rounds.items(), key=lambda kv: (kv[1], kv[0]))[0] if rounds else None
         plan = await self._plan(current, known) if current is not None else None

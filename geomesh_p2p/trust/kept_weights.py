@@ -118,9 +118,16 @@ class KeptWeights:
             raise ValueError(f"kept weights must be fp32 on the CPU, got {theta.dtype} on {theta.device}")
         path = self._file(round)
         flat = theta.detach().reshape(-1)  # a view when contiguous: written without a copy
-        self._write(path, flat.numpy().tofile)
-        with self._lock:
-            self._numel[int(round)] = int(flat.numel())
+
+        def kept() -> None:  # under the write lock with the file: get() never maps a file of another size
+            with self._lock:
+                self._numel[int(round)] = int(flat.numel())
+
+        def failed() -> None:  # the round is not kept (a failed rewrite left no file of it either)
+            with self._lock:
+                self._numel.pop(int(round), None)
+
+        self._write(path, flat.numpy().tofile, kept, failed)
         return 4 * int(flat.numel())
 
     def get(self, round: int) -> Optional[torch.Tensor]:
@@ -128,13 +135,13 @@ class KeptWeights:
         it never reach the file), bitwise what :meth:`put` was given; None when not kept. The pages are
         read on first touch and leave the process's memory when the tensor is dropped. Never write it: a check
         hands its pages back to the page cache between uses (:func:`file_map_range`), which would lose a write."""
-        with self._lock:
-            n = self._numel.get(int(round))
-        if n is None:
-            return None
-        if n == 0:
-            return torch.empty(0, dtype=torch.float32)
-        with self._writing:  # a descriptor is closed (and its number reused) only under this lock
+        with self._writing:  # a file is replaced (its size with it) or its descriptor closed only under this lock
+            with self._lock:
+                n = self._numel.get(int(round))
+            if n is None:
+                return None
+            if n == 0:
+                return torch.empty(0, dtype=torch.float32)
             path = self._readable(self._file(round))
             if path is None:
                 return None
@@ -172,8 +179,15 @@ class KeptWeights:
         fd = self._fds.get(os.path.basename(path))
         return None if fd is None else f"/proc/self/fd/{fd}"
 
-    def _write(self, path: str, write: Callable[[str], Any]) -> None:
-        """``write(part)`` a new file, then put it in ``path``'s place, under the store's write lock.
+    def _write(
+        self,
+        path: str,
+        write: Callable[[str], Any],
+        done: Optional[Callable[[], None]] = None,
+        failed: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """``write(part)`` a new file, then put it in ``path``'s place, under the store's write lock; ``done()`` or
+        (the write failed: no file of ``path`` is left, old or new) ``failed()`` under it too.
 
         A new file, not the old one truncated and written again: a tensor :meth:`get` returned maps the old one,
         whose pages a truncation takes away (a read past the new end is a SIGBUS, later ones read the new weights
@@ -184,16 +198,27 @@ class KeptWeights:
             if self._tmp is None:
                 raise RuntimeError("the kept weights' store is closed")
             if self._fds is not None:
-                fd = os.open(self.path, os.O_TMPFILE | os.O_RDWR, 0o600)
+                name = os.path.basename(path)
                 try:
-                    write(f"/proc/self/fd/{fd}")
+                    fd = os.open(self.path, os.O_TMPFILE | os.O_RDWR, 0o600)
+                    try:
+                        write(f"/proc/self/fd/{fd}")
+                    except BaseException:
+                        os.close(fd)
+                        raise
                 except BaseException:
-                    os.close(fd)
+                    old = self._fds.pop(name, None)  # as the named store's: the replaced file goes too (red team 54c)
+                    if old is not None:
+                        os.close(old)
+                    if failed is not None:
+                        failed()
                     raise
-                old = self._fds.pop(os.path.basename(path), None)
-                self._fds[os.path.basename(path)] = fd
+                old = self._fds.pop(name, None)
+                self._fds[name] = fd
                 if old is not None:
                     os.close(old)  # a tensor mapping the old file keeps it (the map holds the inode), as a rename did
+                if done is not None:
+                    done()
                 return
             part = path + ".part"
             try:
@@ -202,7 +227,11 @@ class KeptWeights:
             except BaseException:
                 _unlink(part)
                 _unlink(path)
+                if failed is not None:
+                    failed()
                 raise
+            if done is not None:
+                done()
 
     def get_blob(self, round: int) -> Optional[bytes]:
         """The bytes of :meth:`put_blob` for ``round``, or None (none written, or dropped)."""
