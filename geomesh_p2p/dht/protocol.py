@@ -161,16 +161,15 @@ class DHTProtocol(DHTContacts):
         if offset is not None and address in self.bootstrap_addresses:
             fresh = self._clock_sample_ok(contact.peer_id, rtt)
             self._sample_fresh[contact.peer_id] = fresh
+            recent = self._rtts[contact.peer_id]
             if fresh:
                 self._offsets[contact.peer_id] = offset
-            elif min(self._rtts[contact.peer_id]) > MAX_SLOW_CLOCK_RTT_S and len(self._rtts[contact.peer_id]) == (
-                CLOCK_RTT_WINDOW
-            ):
+            elif len(recent) == CLOCK_RTT_WINDOW and min(recent) > MAX_SLOW_CLOCK_RTT_S:
                 # its time is no longer followed: say so once (red team 54c: a 2.8 s link never moved it, silently)
                 self._once(
                     logging.WARNING,
                     f"bootstrap {address}",
-                    f"its last {CLOCK_RTT_WINDOW} pings took {min(self._rtts[contact.peer_id]):.1f} s or more "
+                    f"its last {CLOCK_RTT_WINDOW} pings took {min(recent):.1f} s or more "
                     f"(a clock sample is off by up to half that): this peer's swarm time no longer follows its clock "
                     f"({self.clock_offset_s:+.1f} s kept); check this machine's link to it, or its load",
                 )

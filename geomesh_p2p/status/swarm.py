@@ -365,12 +365,10 @@ class SwarmWatcher:
         # announced leaving: fresh user 54b). Not the fresh records alone: in a swarm of 120 s rounds one resumed
         # peer that stored a second ago named its own round for everyone (red team 54c)
         staying = [r for r in peers if not r.leaving]
-        stale = self._round_s(None)
-        fresh = [r for r in peers if not _unstored_for(r, now, stale)]
-        if staying and fresh and all(_unstored_for(r, now, stale) for r in staying):
-            active = fresh
-        else:
-            active = staying or peers
+        round_s = self._round_s(None)
+        fresh = [r for r in peers if not _unstored_for(r, now, round_s)]
+        every_staying_stale = bool(staying) and bool(fresh) and all(r.leaving for r in fresh)
+        active = fresh if every_staying_stale else staying or peers
         rounds = Counter(r.round for r in active)
         current = max(rounds.items(), key=lambda kv: (kv[1], kv[0]))[0] if rounds else None
         plan = await self._plan(current, known) if current is not None else None

@@ -198,25 +198,19 @@ class KeptWeights:
             if self._tmp is None:
                 raise RuntimeError("the kept weights' store is closed")
             if self._fds is not None:
-                name = os.path.basename(path)
+                name, fd = os.path.basename(path), None
                 try:
                     fd = os.open(self.path, os.O_TMPFILE | os.O_RDWR, 0o600)
-                    try:
-                        write(f"/proc/self/fd/{fd}")
-                    except BaseException:
-                        os.close(fd)
-                        raise
+                    write(f"/proc/self/fd/{fd}")
                 except BaseException:
-                    old = self._fds.pop(name, None)  # as the named store's: the replaced file goes too (red team 54c)
-                    if old is not None:
-                        os.close(old)
+                    if fd is not None:
+                        os.close(fd)
+                    self._close_fd(name)  # as the named store's: the replaced file goes too (red team 54c)
                     if failed is not None:
                         failed()
                     raise
-                old = self._fds.pop(name, None)
+                self._close_fd(name)  # a tensor mapping it keeps the file (the map holds the inode), as a rename did
                 self._fds[name] = fd
-                if old is not None:
-                    os.close(old)  # a tensor mapping the old file keeps it (the map holds the inode), as a rename did
                 if done is not None:
                     done()
                 return
@@ -258,11 +252,16 @@ class KeptWeights:
         """Delete the file :meth:`_write` put at ``path`` (close an unnamed one's descriptor); nothing when none."""
         if self._fds is not None:
             with self._writing:
-                fd = self._fds.pop(os.path.basename(path), None) if self._fds is not None else None
-            if fd is not None:
-                os.close(fd)
+                self._close_fd(os.path.basename(path))
             return
         _unlink(path)
+
+    def _close_fd(self, name: str) -> None:
+        """Forget and close the unnamed file ``name``'s descriptor, if any (its file goes when nothing maps it). Call it
+        holding ``_writing``: a descriptor number is reused only once closed."""
+        fd = self._fds.pop(name, None) if self._fds is not None else None
+        if fd is not None:
+            os.close(fd)
 
     def rounds(self) -> list[int]:
         """The rounds kept, ascending."""
@@ -274,7 +273,7 @@ class KeptWeights:
         out, or an unnamed store's (the names it keeps them by)."""
         if self._fds is not None:
             with self._writing:
-                return sorted(self._fds) if self._fds is not None else []
+                return sorted(self._fds)
         return sorted(n for n in os.listdir(self.path) if n != LOCK_NAME) if os.path.isdir(self.path) else []
 
     def nbytes(self) -> int:
@@ -292,11 +291,8 @@ class KeptWeights:
         """Delete every file and the directory. Safe to call twice."""
         with self._writing:  # after a write under way (:meth:`_write`)
             tmp, self._tmp = self._tmp, None
-            fds = list(self._fds.values()) if self._fds is not None else []
             if self._fds is not None:
-                self._fds.clear()
-        for fd in fds:
-            os.close(fd)
+                _close_all(self._fds)
         with self._lock:
             self._numel.clear()
         if tmp is not None:
